@@ -1,0 +1,52 @@
+"""The ``kvroute`` command: one entry point, one subcommand per working component.
+
+Each subcommand lives in the module that owns it and exposes two functions:
+``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported only when their
+subcommand runs, so ``kvroute --help`` stays fast and a subcommand's dependencies load only
+when needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help). A component adds its line here when it works.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("loadtest.benchmarks", "run a benchmark and print JSON + a table"),
+    "sim": ("loadtest.enginesim.cli", "run simulated vLLM/SGLang GPU workers"),
+    "agent": ("worker_agent.cli", "run the worker agent beside one engine"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute",
+        description="Cache-aware routing gateway for LLM inference.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Build only the chosen subcommand's parser when one is named (fast, lazy imports).
+    if argv and argv[0] in COMMANDS:
+        module_name, help_text = COMMANDS[argv[0]]
+        parser = argparse.ArgumentParser(prog=f"kvroute {argv[0]}", description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(parser)
+        args = parser.parse_args(argv[1:])
+        return int(module.run(args) or 0)
+    args = build_parser().parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Canonical block keys: the one function the gateway and the worker agent share.
+
+A key names a token prefix at block granularity: ``key_i = H(key_{i-1}, tokens of block i)``
+over full blocks of ``block_size`` tokens (the partial tail block is never keyed). Keys are
+64-bit unsigned integers.
+
+Construction (see docs/protocol.md, "Canonical block keys"). Per modulus ``p`` of two primes
+just under 2**32, with secrets derived from the deployment seed:
+
+* block hash ``h = sum(t_k * r_k) mod p`` — a multilinear hash with secret ``r_k``;
+* chain ``K_i = K_{i-1} * B + h_i mod p`` with secret base ``B`` and a secret non-zero start
+  state ``K_{-1} = S``;
+* ``key_i = K_i(p1) << 32 | K_i(p2)``.
+
+The chain is a polynomial in the secret ``B`` whose coefficients are secret-keyed block
+hashes, so two different prefixes of ``n`` blocks collide with probability about
+``(n / 2**27)**2`` for an attacker who does not know the seed — good enough for routing,
+where a collision can only mis-route, never corrupt output. Because the state *is* the key,
+a chain continues from any parent key, which is what the agent needs (engine events carry
+the parent block) and what makes follow-up turns cheap (hash only the new blocks).
+
+The recurrence is evaluated in closed form with numpy (prefix sums of ``h_j * B**-j``), so
+there is no per-block Python loop.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "MAX_TOKEN_ID", "BlockKeyer", "InvalidTokens"]
+
+DEFAULT_BLOCK_SIZE = 16
+#: Token ids must be in ``[0, MAX_TOKEN_ID)``: engines use int32 ids.
+MAX_TOKEN_ID = 2**31
+_PRIMES = (4294967291, 4294967279)  # the two largest primes below 2**32
+_R_BOUND = 2**27  # t_k * r_k < 2**58, so a 64-token block sums below 2**64
+_U32 = np.uint64(32)
+
+
+class InvalidTokens(ValueError):
+    """Token ids outside ``[0, 2**31)`` or not integers."""
+
+
+class BlockKeyer:
+    """Computes canonical block keys for one (deployment seed, block size) pair.
+
+    Instances hold precomputed power tables that grow on demand; they are cheap to share
+    within one thread (numpy does the work) and deterministic across processes and hosts.
+    """
+
+    def __init__(self, seed: bytes | str, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if isinstance(seed, str):
+            seed = seed.encode("utf-8")
+        self.block_size = block_size
+        stream = _secret_stream(seed, block_size, 8 * (2 * block_size + 4))
+        words = np.frombuffer(stream, dtype="<u8")
+        # r_k < 2**27 and tokens < 2**31 give products < 2**58; a block of up to 64 tokens sums
+        # below 2**64. Larger blocks are summed in slices of 32 (see _block_hashes).
+        r = (words[: 2 * block_size] % np.uint64(_R_BOUND - 1)) + np.uint64(1)
+        self._r = r.reshape(block_size, 2)
+        p = np.array(_PRIMES, dtype=np.uint64)
+        self._p = p.reshape(2, 1)
+        self._base = [int(words[2 * block_size + m]) % (_PRIMES[m] - 2) + 2 for m in range(2)]
+        self._start = [int(words[2 * block_size + 2 + m]) % (_PRIMES[m] - 1) + 1 for m in range(2)]
+        self._pow = np.ones((2, 1), dtype=np.uint64)
+        self._inv = np.ones((2, 1), dtype=np.uint64)
+        self._grow(1024)
+
+    # -- public API -------------------------------------------------------------------------
+
+    def keys(self, tokens: Sequence[int], parent: int | None = None) -> list[int]:
+        """Keys of every full block of ``tokens``, chained from ``parent`` (None: a root)."""
+        n = len(tokens) // self.block_size
+        if n == 0:
+            return []
+        blocks = self._as_blocks(tokens, n)
+        return self._chain(self._block_hashes(blocks), parent).tolist()
+
+    def extend(self, prev_keys: Sequence[int], tokens: Sequence[int]) -> list[int]:
+        """Keys of ``tokens`` given ``prev_keys`` = keys of a prefix of ``tokens``.
+
+        Only blocks past ``len(prev_keys)`` are hashed: this is how a follow-up turn pays for
+        its new tokens only. Returns the full key list (``prev_keys`` + new keys).
+        """
+        done = len(prev_keys)
+        start = done * self.block_size
+        if start > len(tokens):
+            raise ValueError("prev_keys cover more blocks than tokens has")
+        parent = prev_keys[-1] if done else None
+        tail = self.keys(tokens[start:], parent)
+        return [*prev_keys, *tail] if tail else list(prev_keys)
+
+    def root_state(self) -> int:
+        """The implicit parent of a first block (for protocol documentation and tests)."""
+        return (self._start[0] << 32) | self._start[1]
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _as_blocks(self, tokens: Sequence[int], n: int) -> np.ndarray:
+        bs = self.block_size
+        if isinstance(tokens, np.ndarray):
+            arr = tokens[: n * bs]
+            if arr.size and (arr.min() < 0 or arr.max() >= MAX_TOKEN_ID):
+                raise InvalidTokens("token ids must be in [0, 2**31)")
+            arr = arr.astype(np.uint64, copy=False)
+        else:
+            try:
+                # array('L') is the fastest list -> machine-int conversion CPython offers and it
+                # rejects negatives and non-integers for us.
+                arr = np.frombuffer(array.array("L", tokens[: n * bs]), dtype=np.uint64)
+            except (OverflowError, TypeError) as exc:
+                raise InvalidTokens(f"token ids must be integers in [0, 2**31): {exc}") from None
+            if arr.max() >= MAX_TOKEN_ID:
+                raise InvalidTokens("token ids must be in [0, 2**31)")
+        return arr.reshape(n, bs)
+
+    def _block_hashes(self, blocks: np.ndarray) -> np.ndarray:
+        """(2, n) array of per-block multilinear hashes mod each prime."""
+        bs = self.block_size
+        if bs <= 64:
+            h = blocks @ self._r
+        else:  # keep every partial sum below 2**64
+            h = np.zeros((blocks.shape[0], 2), dtype=np.uint64)
+            for s in range(0, bs, 32):
+                h = (h + (blocks[:, s : s + 32] @ self._r[s : s + 32]) % self._p.T) % self._p.T
+        return h.T % self._p
+
+    def _chain(self, h: np.ndarray, parent: int | None) -> np.ndarray:
+        n = h.shape[1]
+        if n + 1 > self._pow.shape[1]:
+            self._grow(max(2 * self._pow.shape[1], n + 1))
+        if parent is None:
+            s = self._start
+        else:
+            if not 0 <= parent < 2**64:
+                raise ValueError("parent key must be a 64-bit unsigned integer")
+            s = [parent >> 32, parent & 0xFFFFFFFF]
+        p = self._p
+        # K_i = B**i * (S*B + sum_{j<=i} h_j * B**-j)   (mod p); every term stays < 2**64
+        t = (h * self._inv[:, :n]) % p
+        t[0, 0] += s[0] * self._base[0] % _PRIMES[0]
+        t[1, 0] += s[1] * self._base[1] % _PRIMES[1]
+        c = np.cumsum(t, axis=1) % p
+        k = (c * self._pow[:, :n]) % p
+        return (k[0] << _U32) | k[1]
+
+    def _grow(self, size: int) -> None:
+        pw = np.empty((2, size), dtype=np.uint64)
+        inv = np.empty((2, size), dtype=np.uint64)
+        for m, prime in enumerate(_PRIMES):
+            b = self._base[m]
+            b_inv = pow(b, prime - 2, prime)
+            x = y = 1
+            for i in range(size):
+                pw[m, i] = x
+                inv[m, i] = y
+                x = x * b % prime
+                y = y * b_inv % prime
+        self._pow, self._inv = pw, inv
+
+
+def _secret_stream(seed: bytes, block_size: int, nbytes: int) -> bytes:
+    """Deterministic pseudo-random bytes from the deployment seed (blake2b in counter mode)."""
+    out = bytearray()
+    counter = 0
+    while len(out) < nbytes:
+        h = hashlib.blake2b(
+            counter.to_bytes(8, "little") + block_size.to_bytes(8, "little"),
+            key=hashlib.blake2b(seed, digest_size=32).digest(),
+            person=b"kvroute-keys-v1",
+            digest_size=64,
+        )
+        out += h.digest()
+        counter += 1
+    return bytes(out[:nbytes])
+
+
+def reference_keys(keyer: BlockKeyer, tokens: Sequence[int], parent: int | None = None) -> list[int]:
+    """Slow, loop-based evaluation of the recurrence, for tests and the protocol document."""
+    bs = keyer.block_size
+    r = keyer._r.tolist()
+    if parent is None:
+        state = list(keyer._start)
+    else:
+        state = [parent >> 32, parent & 0xFFFFFFFF]
+    out = []
+    for b in range(len(tokens) // bs):
+        block = tokens[b * bs : (b + 1) * bs]
+        for m, prime in enumerate(_PRIMES):
+            h = sum(int(t) * r[k][m] for k, t in enumerate(block)) % prime
+            state[m] = (state[m] * keyer._base[m] + h) % prime
+        out.append((state[0] << 32) | state[1])
+    return out

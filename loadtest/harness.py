@@ -1,0 +1,256 @@
+"""Real processes on loopback for tests, benchmarks and the demo.
+
+Starts a private ``redis-server`` on a free port (and can kill and restart it to inject
+faults) and runs kvroute components as child processes whose output goes to log files.
+Everything started here is stopped by ``close()`` / the context manager, also on errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "ChildProcess",
+    "HarnessError",
+    "RedisServer",
+    "free_port",
+    "free_ports",
+    "wait_for_port",
+]
+
+
+class HarnessError(RuntimeError):
+    """A process did not start or stop as expected."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports, held open together while choosing so they differ."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> None:
+    """Block until something accepts TCP connections on ``host:port``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise HarnessError(f"nothing listening on {host}:{port} after {timeout}s") from None
+            time.sleep(0.02)
+
+
+def redis_server_binary() -> str:
+    path = shutil.which("redis-server")
+    if path is None:
+        raise HarnessError(
+            "redis-server not found; run scripts/setup (installs the Debian package redis-server)"
+        )
+    return path
+
+
+@dataclass
+class RedisServer:
+    """A private ``redis-server`` on loopback: no persistence, killable, restartable.
+
+    ``password`` turns on ``requirepass``. The port stays the same across restarts so
+    clients reconnect to the same URL.
+    """
+
+    port: int = 0
+    password: str | None = None
+    workdir: Path | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.port:
+            self.port = free_port()
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="kvroute-redis-"))
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        args = [
+            redis_server_binary(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.workdir),
+            "--protected-mode", "no",
+            "--loglevel", "warning",
+        ]  # fmt: skip
+        if self.password:
+            args += ["--requirepass", self.password]
+        assert self.workdir is not None
+        log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - closed with the process
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        try:
+            wait_for_port(self.port, timeout=timeout)
+        except HarnessError:
+            self.kill()
+            raise
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the fault-injection way to lose Redis (nothing is saved)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ChildProcess:
+    """A kvroute component (or any command) run as a child process with a log file.
+
+    Started in its own process group so ``stop()`` also reaches its children.
+    """
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        name: str,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.args = list(args)
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def kvroute(
+        cls, argv: Sequence[str], name: str, log_dir: Path, env: dict[str, str] | None = None
+    ) -> ChildProcess:
+        """``kvroute ARGV...`` with this interpreter (no reliance on PATH)."""
+        return cls([sys.executable, "-m", "gateway.cli", *argv], name, log_dir, env)
+
+    def start(self) -> ChildProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+        self.proc = subprocess.Popen(
+            self.args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
+        )
+        log.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_for_log(self, needle: str, timeout: float = 20.0) -> str:
+        """Block until ``needle`` appears in the log; return the matching line."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(FileNotFoundError):
+                for line in self.log_path.read_text(errors="replace").splitlines():
+                    if needle in line:
+                        return line
+            if not self.alive():
+                raise HarnessError(f"{self.name} exited before logging {needle!r}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise HarnessError(f"{self.name} did not log {needle!r} in {timeout}s:\n{self.tail()}")
+            time.sleep(0.02)
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait(timeout=timeout)
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def children(*procs: ChildProcess) -> Iterator[tuple[ChildProcess, ...]]:
+    """Start ``procs`` and stop all of them on exit, whatever happens."""
+    started: list[ChildProcess] = []
+    try:
+        for p in procs:
+            started.append(p.start())
+        yield procs
+    finally:
+        for p in reversed(started):
+            p.stop()
