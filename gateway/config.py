@@ -185,7 +185,7 @@ def _build(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{name}: unknown setting(s) {', '.join(map(str, unknown))}")
         kwargs = {k: _build(hints[k], v, f"{where}.{k}" if where else k) for k, v in value.items()}
         try:
-            obj = tp(**kwargs)
+            obj = tp(**kwargs)  # type: ignore[operator]
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{name}: {exc}") from None
         return obj
@@ -205,7 +205,9 @@ def _build(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{name}: expected a mapping, got {type(value).__name__}")
         kt, vt = get_args(tp)
-        return {_build(kt, k, f"{where}.{k}"): _build(vt, v, f"{where}.{k}") for k, v in value.items()}
+        return {
+            _build(kt, k, f"{where}.{k}"): _build(vt, v, f"{where}.{k}") for k, v in value.items()
+        }
     if tp is Any:
         return value
     if tp is bool:

@@ -85,6 +85,7 @@ class ShadowIndex:
         self._free: list[int] = []  # heap of free slots (lowest first keeps masks small)
         self._spec_log: deque[tuple[float, int, list[int]]] = deque()
         self._spec_exp: dict[int, float] = {}  # key | slot << 64 -> latest expiry
+        self._decoded: dict[int, list[str]] = {}  # slot mask -> worker ids (match cache)
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -101,6 +102,7 @@ class ShadowIndex:
         self._forget_speculation(slot)
         del self._slot[worker]
         self._worker[slot] = None
+        self._decoded.clear()
         heapq.heappush(self._free, slot)
 
     def workers(self) -> list[str]:
@@ -157,9 +159,9 @@ class ShadowIndex:
         a new prefix follows the first one. An attribution lasts ``speculative_ttl`` after
         the latest decision that made it. Returns the number of blocks newly attributed.
         """
-        slot = self._slot.get(worker)
-        if slot is None or start >= len(keys) or self.speculative_ttl <= 0:
+        if start >= len(keys) or self.speculative_ttl <= 0:
             return 0
+        slot = self._slot_of(worker)
         bit = 1 << slot
         tail = list(keys[start:])
         parent = keys[start - 1] if start else None
@@ -218,32 +220,55 @@ class ShadowIndex:
         ``keys`` is a request's chain from the root. A worker's match stops at its first
         missing block. Workers with no match are absent from the result.
         """
-        out: dict[str, int] = {}
+        return {w: n for n, ws in self.match_levels(keys) for w in ws}
+
+    def match_levels(self, keys: Sequence[int]) -> list[tuple[int, list[str]]]:
+        """``match`` grouped by length: ``[(matched blocks, workers), ...]``, longest first.
+
+        Workers sharing a match length are interchangeable for the prefill they save, and
+        there are few distinct lengths, so policies work per level instead of per worker.
+        """
         n = len(keys)
         if not n:
-            return out
+            return []
         if not isinstance(keys, list):
             keys = list(keys)
         node = self._root.children.get(keys[0])
         pos = 0
         alive = -1  # every slot
-        workers = self._worker
+        drops: list[tuple[int, int]] = []  # (matched blocks, slots that stop there)
         while node is not None:
             run = node.keys
             m = len(run)
-            if keys[pos : pos + m] == run:
-                common = m
-            else:
-                common = _common_prefix(run, keys, pos)
-            dropped = alive & ~node.mask if alive != -1 else 0
+            common = m if keys[pos : pos + m] == run else _common_prefix(run, keys, pos)
+            if alive != -1 and alive & ~node.mask and pos:
+                drops.append((pos, alive & ~node.mask))
             alive &= node.mask
-            _emit(out, workers, dropped, pos)
             pos += common
             if not alive or common < m or pos >= n:
                 break
             node = node.children.get(keys[pos])
-        _emit(out, workers, alive if alive != -1 else 0, pos)
-        return out
+        if alive not in (0, -1) and pos:
+            drops.append((pos, alive))
+        decode = self._decode
+        return [(blocks, decode(bits)) for blocks, bits in reversed(drops)]
+
+    def _decode(self, bits: int) -> list[str]:
+        """Worker ids of a slot mask. Holder sets recur (a system prompt's holders), so
+        decoded masks are cached; the cache is dropped whenever slots change."""
+        ws = self._decoded.get(bits)
+        if ws is None:
+            if len(self._decoded) >= 4096:
+                self._decoded.clear()
+            ws = []
+            workers = self._worker
+            b = bits
+            while b:
+                low = b & -b
+                ws.append(workers[low.bit_length() - 1])  # type: ignore[arg-type]
+                b ^= low
+            self._decoded[bits] = ws
+        return ws
 
     def blocks(self, worker: str) -> int:
         """Blocks ``worker`` really holds (speculation excluded)."""
@@ -275,10 +300,7 @@ class ShadowIndex:
 
     def speculative_entries(self) -> int:
         return sum(
-            len(n.keys)
-            for s in self._slot.values()
-            for n in self._nodes[s]
-            if n.spec & (1 << s)
+            len(n.keys) for s in self._slot.values() for n in self._nodes[s] if n.spec & (1 << s)
         )
 
     def node_count(self) -> int:
@@ -309,7 +331,9 @@ class ShadowIndex:
 
     # -- tree edits -------------------------------------------------------------------------
 
-    def _add_chain(self, parent: int | None, keys: Sequence[int], bit: int, speculative: bool) -> int:
+    def _add_chain(
+        self, parent: int | None, keys: Sequence[int], bit: int, speculative: bool
+    ) -> int:
         """Set ``bit`` on the chain ``keys`` under ``parent``; returns blocks newly set."""
         stats = self.stats
         added = 0
@@ -340,7 +364,9 @@ class ShadowIndex:
             prev = keys[i - 1]
         return added
 
-    def _append_new(self, parent: int | None, keys: Sequence[int], bit: int, speculative: bool) -> int:
+    def _append_new(
+        self, parent: int | None, keys: Sequence[int], bit: int, speculative: bool
+    ) -> int:
         """Insert keys unknown to the index as a new run under ``parent``."""
         new = list(keys)
         spec = bit if speculative else 0
@@ -349,10 +375,11 @@ class ShadowIndex:
         else:
             pnode = self._node.get(parent)
             if pnode is None:
-                host = self._detached.get(parent)
-                if host is None:
-                    host = self._detached[parent] = _Node([], 0, 0, None)
-                    host.anchor = parent
+                placeholder = self._detached.get(parent)
+                if placeholder is None:
+                    placeholder = self._detached[parent] = _Node([], 0, 0, None)
+                    placeholder.anchor = parent
+                host = placeholder
             else:
                 if pnode.keys[-1] != parent:
                     self._split(pnode, _offset(pnode, parent) + 1)
@@ -575,6 +602,7 @@ class ShadowIndex:
             self._nodes.append(set())
             self._real.append(0)
         self._slot[worker] = slot
+        self._decoded.clear()
         return slot
 
     def iter_runs(self) -> Iterator[tuple[list[int], int]]:
@@ -608,11 +636,3 @@ def _common_prefix(run: list[int], keys: Sequence[int], pos: int) -> int:
         else:
             hi = mid
     return lo
-
-
-def _emit(out: dict[str, int], workers: list[str | None], bits: int, pos: int) -> None:
-    while bits:
-        low = bits & -bits
-        if pos:
-            out[workers[low.bit_length() - 1]] = pos  # type: ignore[index]
-        bits ^= low

@@ -181,14 +181,13 @@ def _secret_stream(seed: bytes, block_size: int, nbytes: int) -> bytes:
     return bytes(out[:nbytes])
 
 
-def reference_keys(keyer: BlockKeyer, tokens: Sequence[int], parent: int | None = None) -> list[int]:
+def reference_keys(
+    keyer: BlockKeyer, tokens: Sequence[int], parent: int | None = None
+) -> list[int]:
     """Slow, loop-based evaluation of the recurrence, for tests and the protocol document."""
     bs = keyer.block_size
     r = keyer._r.tolist()
-    if parent is None:
-        state = list(keyer._start)
-    else:
-        state = [parent >> 32, parent & 0xFFFFFFFF]
+    state = list(keyer._start) if parent is None else [parent >> 32, parent & 0xFFFFFFFF]
     out = []
     for b in range(len(tokens) // bs):
         block = tokens[b * bs : (b + 1) * bs]

@@ -209,7 +209,9 @@ class ChildProcess:
             if not self.alive():
                 raise HarnessError(f"{self.name} exited before logging {needle!r}:\n{self.tail()}")
             if time.monotonic() > deadline:
-                raise HarnessError(f"{self.name} did not log {needle!r} in {timeout}s:\n{self.tail()}")
+                raise HarnessError(
+                    f"{self.name} did not log {needle!r} in {timeout}s:\n{self.tail()}"
+                )
             time.sleep(0.02)
 
     def tail(self, lines: int = 40) -> str:

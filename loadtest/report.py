@@ -25,12 +25,17 @@ def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
     if markdown:
         head = "| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)) + " |"
         sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-        body = ["| " + " | ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) + " |" for row in cells]
+        body = [
+            "| " + " | ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) + " |"
+            for row in cells
+        ]
         return "\n".join([head, sep, *body])
     head = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
     body = ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join([head, "-" * len(head), *body])
 
 
-def print_table(rows: Sequence[dict[str, Any]], file: IO[str] = sys.stdout, markdown: bool = False) -> None:
+def print_table(
+    rows: Sequence[dict[str, Any]], file: IO[str] = sys.stdout, markdown: bool = False
+) -> None:
     print(format_table(rows, markdown=markdown), file=file)

@@ -39,7 +39,11 @@ def test_free_ports_distinct() -> None:
 
 
 def test_child_process_log_and_failure(logs) -> None:
-    ok = ChildProcess([sys.executable, "-c", "print('ready', flush=True); import time; time.sleep(30)"], "ok", logs)
+    ok = ChildProcess(
+        [sys.executable, "-c", "print('ready', flush=True); import time; time.sleep(30)"],
+        "ok",
+        logs,
+    )
     ok.start()
     assert ok.wait_for_log("ready") == "ready"
     assert ok.stop() is not None and not ok.alive()

@@ -59,8 +59,9 @@ class Model:
         self.spec.pop(w, None)
 
     def speculate(self, w: str, keys: list[int], now: float, start: int) -> None:
-        if w not in self.real:
+        if start >= len(keys):
             return
+        self.add(w)
         for k in keys[start:]:
             if k not in self.real[w]:
                 self.spec[w][k] = now + TTL

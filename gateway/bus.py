@@ -1,0 +1,426 @@
+"""The event bus seam: how agents hand cache state, registrations and load to the gateway.
+
+``EventBus`` is a small abstract base (like an httpx transport): the worker agent writes
+through it, the gateway's consumer reads through it, and implementations are
+interchangeable. ``MemoryBus`` keeps everything in process (the demo without a
+redis-server, fast unit tests); ``gateway.redis_bus.RedisBus`` is the production one.
+
+The wire types live here too, with their encoding, so that every implementation stores the
+same bytes (docs/protocol.md is the contract):
+
+* a stream ``Entry`` is one batch of canonical events (``Stored``, ``Removed``, ``Cleared``)
+  from one agent, tagged with the agent's epoch and a gap-free sequence number;
+* a ``Snapshot`` is a worker's full canonical key set (as parent-linked chains) and the
+  stream position it corresponds to;
+* a ``WorkerInfo`` is a worker's registration record (heartbeated with a TTL);
+* load reports are ``gateway.load.EngineReport``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from gateway.load import EngineReport
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "BusError",
+    "Cleared",
+    "Entry",
+    "Event",
+    "EventBus",
+    "MemoryBus",
+    "Removed",
+    "Snapshot",
+    "Stored",
+    "StreamRead",
+    "WorkerInfo",
+    "decode_entry",
+    "decode_report",
+    "decode_snapshot",
+    "decode_worker",
+    "encode_entry",
+    "encode_report",
+    "encode_snapshot",
+    "encode_worker",
+    "stream_id_after",
+    "try_decode_entry",
+]
+
+#: Entries and snapshots carry this; readers refuse a larger one (docs/protocol.md).
+PROTOCOL_VERSION = 1
+
+
+class BusError(ConnectionError):
+    """The bus is unreachable or refused an operation (callers retry with backoff)."""
+
+
+# -- canonical events (the payload of a stream entry) ----------------------------------------
+
+
+class Stored(msgspec.Struct, array_like=True, tag=0, frozen=True):
+    """The worker now holds ``keys``: a chain whose first key follows ``parent`` (None: root)."""
+
+    parent: int | None
+    keys: list[int]
+
+
+class Removed(msgspec.Struct, array_like=True, tag=1, frozen=True):
+    """The worker no longer holds ``keys``."""
+
+    keys: list[int]
+
+
+class Cleared(msgspec.Struct, array_like=True, tag=2, frozen=True):
+    """The worker holds nothing (engine reset or restart, agent resync)."""
+
+
+Event = Stored | Removed | Cleared
+
+
+class Entry(msgspec.Struct, array_like=True):
+    """One stream entry: a batch of canonical events from one agent run (epoch).
+
+    ``seq`` counts entries of the epoch from 1 without gaps, so a reader that sees
+    ``seq > last + 1`` knows it missed entries (trimmed or lost). ``ts`` is the engine's
+    timestamp of the oldest engine batch inside (event-to-index lag), ``pts`` the publish
+    time; ``eseq`` lists ``(dp_rank, first, last)`` engine sequence numbers covered.
+    """
+
+    v: int
+    epoch: int
+    seq: int
+    ts: float
+    pts: float
+    eseq: list[tuple[int, int, int]]
+    events: list[Event]
+
+
+class Snapshot(msgspec.Struct, array_like=True):
+    """A worker's whole canonical state after entry ``seq`` (stream id ``stream_id``)."""
+
+    v: int
+    epoch: int
+    seq: int
+    stream_id: str
+    ts: float
+    chains: list[tuple[int | None, list[int]]]
+
+    def keys(self) -> set[int]:
+        return {k for _, chain in self.chains for k in chain}
+
+
+_entry_enc = msgspec.msgpack.Encoder()
+_entry_dec = msgspec.msgpack.Decoder(Entry)
+_snap_dec = msgspec.msgpack.Decoder(Snapshot)
+
+
+def encode_entry(entry: Entry) -> bytes:
+    return _entry_enc.encode(entry)
+
+
+def decode_entry(data: bytes) -> Entry:
+    """Raises ``msgspec.DecodeError`` / ``ValueError`` on garbage or a newer protocol."""
+    entry = _entry_dec.decode(data)
+    if entry.v > PROTOCOL_VERSION:
+        raise ValueError(f"entry protocol v{entry.v} is newer than v{PROTOCOL_VERSION}")
+    return entry
+
+
+def encode_snapshot(snap: Snapshot) -> bytes:
+    return _entry_enc.encode(snap)
+
+
+def decode_snapshot(data: bytes) -> Snapshot:
+    snap = _snap_dec.decode(data)
+    if snap.v > PROTOCOL_VERSION:
+        raise ValueError(f"snapshot protocol v{snap.v} is newer than v{PROTOCOL_VERSION}")
+    return snap
+
+
+# -- registration and load ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's registration record: what the gateway needs to route to it.
+
+    ``epoch`` identifies the agent run that wrote it (entries of other epochs are stale).
+    ``kv_capacity_blocks`` is in canonical blocks (``block_size`` tokens each).
+    """
+
+    worker_id: str
+    url: str
+    model: str
+    pool: str = ""
+    engine: str = "vllm"
+    engine_block_size: int = 16
+    block_size: int = 16
+    kv_capacity_blocks: int | None = None
+    dp_size: int = 1
+    labels: dict[str, str] = field(default_factory=dict)
+    epoch: int = 0
+    started_at: float = 0.0
+    version: int = PROTOCOL_VERSION
+
+
+_json_enc = msgspec.json.Encoder()
+_worker_dec = msgspec.json.Decoder(WorkerInfo)
+_report_dec = msgspec.msgpack.Decoder(EngineReport)
+
+
+def encode_worker(info: WorkerInfo) -> bytes:
+    """JSON, so that ``redis-cli GET`` shows a readable registration."""
+    return _json_enc.encode(info)
+
+
+def decode_worker(data: bytes) -> WorkerInfo:
+    return _worker_dec.decode(data)
+
+
+def encode_report(report: EngineReport) -> bytes:
+    return _entry_enc.encode(report)
+
+
+def decode_report(data: bytes) -> EngineReport:
+    return _report_dec.decode(data)
+
+
+# -- the seam --------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamRead:
+    """Entries read from one worker's stream; ``None`` marks an undecodable entry."""
+
+    worker: str
+    entries: list[tuple[str, Entry | None]]
+
+
+class EventBus(ABC):
+    """What agents and consumers need from the shared store, and nothing more.
+
+    Every method may raise ``BusError`` when the store is unreachable; callers keep their
+    state and retry (docs/protocol.md, "Recovery").
+    """
+
+    # streams
+    @abstractmethod
+    async def append(self, worker: str, entries: Sequence[Entry]) -> list[str]:
+        """Append entries to ``worker``'s stream in order; returns their stream ids."""
+
+    @abstractmethod
+    async def read(
+        self, positions: Mapping[str, str], count: int = 1000, block_ms: int | None = None
+    ) -> list[StreamRead]:
+        """Entries after ``positions[worker]`` (a stream id, ``"0"`` for the start) of many
+        streams in one call; waits up to ``block_ms`` for any if none are ready."""
+
+    @abstractmethod
+    async def trim(self, worker: str, min_id: str) -> None:
+        """Drop entries of ``worker``'s stream older than ``min_id``."""
+
+    # snapshots
+    @abstractmethod
+    async def write_snapshot(self, worker: str, snapshot: Snapshot) -> None: ...
+
+    @abstractmethod
+    async def read_snapshot(self, worker: str) -> Snapshot | None: ...
+
+    # registry
+    @abstractmethod
+    async def register(self, info: WorkerInfo, ttl: float) -> None:
+        """Register or heartbeat ``info``; it lapses unless renewed within ``ttl`` seconds."""
+
+    @abstractmethod
+    async def deregister(self, worker: str) -> None:
+        """Remove the registration and load report at once (graceful shutdown)."""
+
+    @abstractmethod
+    async def workers(self) -> dict[str, WorkerInfo]:
+        """Registrations that have not lapsed."""
+
+    # load
+    @abstractmethod
+    async def publish_report(self, worker: str, report: EngineReport, ttl: float) -> None: ...
+
+    @abstractmethod
+    async def read_reports(self, workers: Sequence[str]) -> dict[str, EngineReport]: ...
+
+    async def stream_bytes(self, worker: str) -> int:
+        """Bytes the store spends on ``worker``'s stream (for benchmarks; 0 if unknown)."""
+        return 0
+
+    async def ping(self) -> None:
+        """Raise ``BusError`` unless the store answers."""
+
+    async def close(self) -> None:
+        """Release connections."""
+
+
+def stream_id_after(a: str, b: str) -> bool:
+    """Whether stream id ``a`` is later than ``b`` (ids are ``<ms>-<n>``)."""
+    return _id_tuple(a) > _id_tuple(b)
+
+
+def _id_tuple(sid: str) -> tuple[int, int]:
+    ms, _, n = sid.partition("-")
+    return int(ms), int(n or 0)
+
+
+# -- in-memory implementation ----------------------------------------------------------------
+
+
+@dataclass
+class _Stream:
+    entries: list[tuple[tuple[int, int], bytes]] = field(default_factory=list)
+    last: tuple[int, int] = (0, 0)
+
+
+class MemoryBus(EventBus):
+    """Everything in this process; encodes like ``RedisBus`` so the bytes are the same.
+
+    ``clock`` is injectable so tests can lapse registrations without sleeping;
+    ``set_down(True)`` makes every call raise ``BusError`` (an outage).
+    """
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self._clock = clock
+        self._streams: dict[str, _Stream] = {}
+        self._snapshots: dict[str, bytes] = {}
+        self._workers: dict[str, tuple[bytes, float]] = {}
+        self._reports: dict[str, tuple[bytes, float]] = {}
+        self._changed = asyncio.Condition()
+        self._down = False
+
+    def set_down(self, down: bool) -> None:
+        self._down = down
+
+    def _check(self) -> None:
+        if self._down:
+            raise BusError("memory bus is down")
+
+    async def append(self, worker: str, entries: Sequence[Entry]) -> list[str]:
+        self._check()
+        stream = self._streams.setdefault(worker, _Stream())
+        ids = []
+        for entry in entries:
+            ms = int(time.time() * 1000)
+            sid = (ms, 0) if ms > stream.last[0] else (stream.last[0], stream.last[1] + 1)
+            stream.last = sid
+            stream.entries.append((sid, encode_entry(entry)))
+            ids.append(f"{sid[0]}-{sid[1]}")
+        async with self._changed:
+            self._changed.notify_all()
+        return ids
+
+    async def read(
+        self, positions: Mapping[str, str], count: int = 1000, block_ms: int | None = None
+    ) -> list[StreamRead]:
+        self._check()
+        out = self._collect(positions, count)
+        if out or not block_ms:
+            return out
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait(), block_ms / 1000)
+            except TimeoutError:
+                return []
+        self._check()
+        return self._collect(positions, count)
+
+    def _collect(self, positions: Mapping[str, str], count: int) -> list[StreamRead]:
+        out = []
+        for worker, pos in positions.items():
+            stream = self._streams.get(worker)
+            if stream is None:
+                continue
+            after = _id_tuple(pos)
+            got: list[tuple[str, Entry | None]] = []
+            for sid, data in stream.entries:
+                if sid > after:
+                    got.append((f"{sid[0]}-{sid[1]}", try_decode_entry(data)))
+                    if len(got) >= count:
+                        break
+            if got:
+                out.append(StreamRead(worker, got))
+        return out
+
+    async def trim(self, worker: str, min_id: str) -> None:
+        self._check()
+        stream = self._streams.get(worker)
+        if stream is not None:
+            floor = _id_tuple(min_id)
+            stream.entries = [e for e in stream.entries if e[0] >= floor]
+
+    async def write_snapshot(self, worker: str, snapshot: Snapshot) -> None:
+        self._check()
+        self._snapshots[worker] = encode_snapshot(snapshot)
+
+    async def read_snapshot(self, worker: str) -> Snapshot | None:
+        self._check()
+        data = self._snapshots.get(worker)
+        return None if data is None else decode_snapshot(data)
+
+    async def register(self, info: WorkerInfo, ttl: float) -> None:
+        self._check()
+        self._workers[info.worker_id] = (encode_worker(info), self._clock() + ttl)
+
+    async def deregister(self, worker: str) -> None:
+        self._check()
+        self._workers.pop(worker, None)
+        self._reports.pop(worker, None)
+
+    async def workers(self) -> dict[str, WorkerInfo]:
+        self._check()
+        now = self._clock()
+        return {w: decode_worker(d) for w, (d, exp) in self._workers.items() if exp > now}
+
+    async def publish_report(self, worker: str, report: EngineReport, ttl: float) -> None:
+        self._check()
+        self._reports[worker] = (encode_report(report), self._clock() + ttl)
+
+    async def read_reports(self, workers: Sequence[str]) -> dict[str, EngineReport]:
+        self._check()
+        now = self._clock()
+        out = {}
+        for w in workers:
+            rec = self._reports.get(w)
+            if rec is not None and rec[1] > now:
+                out[w] = decode_report(rec[0])
+        return out
+
+    async def stream_bytes(self, worker: str) -> int:
+        stream = self._streams.get(worker)
+        return 0 if stream is None else sum(len(d) for _, d in stream.entries)
+
+    async def ping(self) -> None:
+        self._check()
+
+    def wipe(self) -> None:
+        """Lose everything, like a Redis restart without persistence (for tests)."""
+        self._streams.clear()
+        self._snapshots.clear()
+        self._workers.clear()
+        self._reports.clear()
+
+
+def try_decode_entry(data: bytes) -> Entry | None:
+    """The entry, or None if it is garbage or from a newer protocol."""
+    try:
+        return decode_entry(data)
+    except (msgspec.DecodeError, ValueError):
+        return None
+
+
+def replace_info(info: WorkerInfo, **changes: Any) -> WorkerInfo:
+    """``dataclasses.replace`` for ``WorkerInfo`` (kept here so callers need one import)."""
+    return dataclasses.replace(info, **changes)

@@ -1,0 +1,114 @@
+"""Predicted time to first token: a per-pool model of prefill and decode cost.
+
+Defaults are the published mocker formulas (NVIDIA Dynamo's engine simulator, fitted on
+H100s; see shared/reference/peers.md), which is also the engine simulator's default preset:
+
+* prefill of a batch of ``T`` new tokens: ``a*T**2 + b*T + c`` ms
+* one decode step with a fraction ``p`` of the KV cache in use:
+  ``max(1, d2*p**2 + d1*p + d0)`` ms
+
+An engine with chunked prefill works through queued prompt tokens ``max_batched_tokens`` per
+step, and every step also carries the running sequences' decode, so a new request's first
+token waits for the prefill queued ahead of it plus its own uncached tokens, both paid in
+chunks, each chunk stretched by the decode work riding along.
+
+``observe()`` calibrates online: the ratio of observed to predicted TTFT is tracked with an
+exponentially weighted average and multiplies every prediction, so a model fitted on other
+hardware still ranks workers correctly and its absolute numbers converge to the truth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["CostModel", "CostParams"]
+
+
+@dataclass
+class CostParams:
+    """Cost model coefficients (milliseconds); documented defaults = mocker formula."""
+
+    prefill_a: float = 4.21e-7
+    prefill_b: float = 1.518e-2
+    prefill_c: float = 16.5
+    decode_d2: float = -25.74
+    decode_d1: float = 54.01
+    decode_d0: float = 5.74
+    max_batched_tokens: int = 8192
+    #: how much of a decode step a running batch adds to a prefill step (0: none, 1: full)
+    decode_overlap: float = 1.0
+    #: bounds of the online calibration factor
+    calibration_min: float = 0.25
+    calibration_max: float = 4.0
+    #: weight of a new observation in the calibration average
+    calibration_alpha: float = 0.05
+
+
+@dataclass
+class CostModel:
+    """Pure arithmetic over ``CostParams`` plus one calibration factor."""
+
+    params: CostParams = field(default_factory=CostParams)
+    scale: float = 1.0
+    observations: int = 0
+
+    def prefill_ms(self, tokens: float) -> float:
+        """Time to prefill ``tokens`` new tokens as one batch (no chunking)."""
+        if tokens <= 0:
+            return 0.0
+        p = self.params
+        return p.prefill_a * tokens * tokens + p.prefill_b * tokens + p.prefill_c
+
+    def decode_step_ms(self, kv_usage: float) -> float:
+        p = self.params
+        u = min(max(kv_usage, 0.0), 1.0)
+        return max(1.0, p.decode_d2 * u * u + p.decode_d1 * u + p.decode_d0)
+
+    def chunked_prefill_ms(self, tokens: float) -> float:
+        """Time to work through ``tokens`` prompt tokens in chunks of max_batched_tokens."""
+        if tokens <= 0:
+            return 0.0
+        chunk = self.params.max_batched_tokens
+        full, rest = divmod(tokens, chunk)
+        return full * self.prefill_ms(chunk) + self.prefill_ms(rest)
+
+    def ttft_ms(
+        self, queued_tokens: float, new_tokens: float, running: float, kv_usage: float
+    ) -> float:
+        """Predicted TTFT of a request with ``new_tokens`` uncached prompt tokens.
+
+        ``queued_tokens`` of prefill are ahead of it; ``running`` sequences decode alongside.
+        The queue's prefill and ours are chunked together, so the quadratic term is paid per
+        chunk, not on the sum.
+        """
+        total = queued_tokens + max(new_tokens, 1.0)
+        ms = self.chunked_prefill_ms(total)
+        if running > 0:
+            steps = math.ceil(total / self.params.max_batched_tokens)
+            ms += steps * self.params.decode_overlap * self.decode_step_ms(kv_usage)
+        return ms * self.scale
+
+    def queue_key(self, queued_tokens: float, running: float, kv_usage: float) -> float:
+        """The part of a worker's TTFT lower bound that does not depend on the request.
+
+        For any request with ``N`` uncached tokens,
+        ``ttft_ms(q, N, r, kv) >= (chunked_prefill_ms(N) + queue_key(q, r, kv)) * scale``:
+        queued tokens cost at least ``prefill_b`` each and a running batch adds at least one
+        decode step. Ordering workers by this key lets a policy stop scanning early.
+        """
+        key = self.params.prefill_b * queued_tokens
+        if running > 0:
+            key += self.params.decode_overlap * self.decode_step_ms(kv_usage)
+        return key
+
+    def observe(self, predicted_ms: float, observed_ms: float) -> None:
+        """Feed one observed TTFT for a prediction made by this model (online calibration)."""
+        if predicted_ms <= 0 or observed_ms <= 0 or not math.isfinite(observed_ms):
+            return
+        p = self.params
+        ratio = observed_ms / (predicted_ms / self.scale)
+        target = min(max(ratio, p.calibration_min), p.calibration_max)
+        alpha = max(p.calibration_alpha, 1.0 / (self.observations + 1))
+        self.scale += alpha * (target - self.scale)
+        self.observations += 1

@@ -1,0 +1,300 @@
+"""Worker load: what the engine last reported, plus what this gateway sent since.
+
+Pure bookkeeping, no I/O. The agent scrapes the engine and publishes an ``EngineReport``
+every few hundred milliseconds; between reports the gateway's own accounting of requests it
+sent (prefill tokens until their first token, decode until their end) fills the gap.
+
+Every change recomputes that worker's effective ``LoadView`` at once, and the tracker keeps
+the pool ordered for the policy: a set of idle workers (interchangeable for a request none of
+them has cached) and the busy ones sorted by queued prefill work. A decision then looks at a
+handful of workers instead of scanning them all, which is what lets one routing core serve a
+64-worker pool in tens of microseconds and a 512-worker simulated cluster at all.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+__all__ = ["EngineReport", "LoadTracker", "LoadView"]
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """A worker's load as its engine reports it (agent -> bus -> gateway).
+
+    Counters are cumulative as the engine exports them; ``ts`` is the wall-clock time
+    (``time.time()``) of the scrape, so consumers can judge its age.
+    """
+
+    running: int = 0  # requests being prefilled or decoded
+    waiting: int = 0  # requests queued in the engine
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    waiting_prefill_tokens: int | None = None  # uncached prompt tokens queued, if the engine says
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # tokens found (cumulative)
+    ts: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoadView:
+    """What the policy sees of one worker's load."""
+
+    queued_prefill_tokens: float = 0.0  # prefill work ahead of a new request
+    running: float = 0.0  # sequences in the engine (slow every step down)
+    kv_usage: float = 0.0
+
+    @property
+    def idle(self) -> bool:
+        return self.queued_prefill_tokens <= 0 and self.running <= 0
+
+
+_IDLE = LoadView()
+
+
+@dataclass
+class _Worker:
+    view: LoadView = _IDLE
+    report: EngineReport | None = None
+    report_fresh: bool = False
+    report_version: int = 0
+    prefill_tokens: int = 0  # our requests still waiting for their first token
+    prefill_requests: int = 0
+    decoding: int = 0  # our requests streaming tokens
+    sent_since_report: int = 0
+    sent_tokens_since_report: int = 0
+    requests: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Inflight:
+    worker: str
+    prefill_tokens: int
+    first_token: bool = False
+
+
+class LoadTracker:
+    """Per-worker load of one pool: engine reports merged with in-flight accounting.
+
+    The merge avoids double counting: the engine's queue already holds our requests that it
+    received before its report, so queued prefill work is the larger of (a) our own requests
+    still waiting for a first token and (b) the engine's queue at report time plus what we
+    sent since. (a) is exact for a single gateway; (b) also sees other gateway replicas'
+    traffic, with the report's delay. Reports older than ``report_ttl`` stop counting
+    (``refresh(now)`` demotes them).
+    """
+
+    def __init__(
+        self,
+        mean_prompt_tokens: float = 2048.0,
+        report_ttl: float = 5.0,
+        order_key: Callable[[float, float, float], float] | None = None,
+    ) -> None:
+        self.mean_prompt_tokens = mean_prompt_tokens  # used when a report has no token count
+        self.report_ttl = report_ttl
+        #: sorts busy workers: (queued tokens, running, kv usage) -> key; default: queued tokens
+        self.order_key = order_key or (lambda q, r, kv: q)
+        self._w: dict[str, _Worker] = {}
+        self._req: dict[int, _Inflight] = {}
+        self._next_id = 0
+        self._idle: list[str] = []  # idle workers (order irrelevant; O(1) add/remove)
+        self._idle_pos: dict[str, int] = {}
+        self._busy: list[tuple[float, str]] = []  # (order key, worker), ascending
+        self._busy_key: dict[str, tuple[float, str]] = {}
+        self._expiry: deque[tuple[float, str, int]] = deque()  # report freshness deadlines
+        self._sorted_workers: list[str] | None = None
+
+    # -- membership -------------------------------------------------------------------------
+
+    def add_worker(self, worker: str) -> None:
+        if worker not in self._w:
+            self._w[worker] = _Worker()
+            self._place(worker, _IDLE)
+            self._sorted_workers = None
+
+    def remove_worker(self, worker: str) -> None:
+        w = self._w.pop(worker, None)
+        if w is None:
+            return
+        self._unplace(worker, w.view)
+        for rid in w.requests:
+            self._req.pop(rid, None)
+        self._sorted_workers = None
+
+    def __contains__(self, worker: object) -> bool:
+        return worker in self._w
+
+    def members(self) -> dict[str, object]:
+        """The pool's workers as a mapping, for fast membership tests (do not mutate)."""
+        return self._w  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return len(self._w)
+
+    def workers(self) -> list[str]:
+        """All workers, sorted (cached until membership changes)."""
+        if self._sorted_workers is None:
+            self._sorted_workers = sorted(self._w)
+        return self._sorted_workers
+
+    # -- inputs -----------------------------------------------------------------------------
+
+    def report(self, worker: str, report: EngineReport, now: float) -> None:
+        self.add_worker(worker)
+        w = self._w[worker]
+        w.report = report
+        w.report_fresh = True
+        w.report_version += 1
+        w.sent_since_report = 0
+        w.sent_tokens_since_report = 0
+        self._expiry.append((now + self.report_ttl, worker, w.report_version))
+        self._update(worker, w)
+
+    def started(self, worker: str, prefill_tokens: int, now: float) -> int:
+        """A request was sent to ``worker``; returns a handle for the calls below."""
+        self.add_worker(worker)
+        rid = self._next_id
+        self._next_id += 1
+        self._req[rid] = _Inflight(worker, prefill_tokens)
+        w = self._w[worker]
+        w.prefill_tokens += prefill_tokens
+        w.prefill_requests += 1
+        w.sent_since_report += 1
+        w.sent_tokens_since_report += prefill_tokens
+        w.requests.add(rid)
+        self._update(worker, w)
+        return rid
+
+    def first_token(self, rid: int) -> bool:
+        """The request's prefill is done. False if the handle is unknown or already done."""
+        req = self._req.get(rid)
+        if req is None or req.first_token:
+            return False
+        req.first_token = True
+        w = self._w.get(req.worker)
+        if w is not None:
+            w.prefill_tokens -= req.prefill_tokens
+            w.prefill_requests -= 1
+            w.decoding += 1
+            self._update(req.worker, w)
+        return True
+
+    def finished(self, rid: int) -> None:
+        req = self._req.pop(rid, None)
+        if req is None:
+            return
+        w = self._w.get(req.worker)
+        if w is None:
+            return
+        if req.first_token:
+            w.decoding -= 1
+        else:
+            w.prefill_tokens -= req.prefill_tokens
+            w.prefill_requests -= 1
+        w.requests.discard(rid)
+        self._update(req.worker, w)
+
+    def refresh(self, now: float) -> None:
+        """Stop counting engine reports older than ``report_ttl`` (amortised O(1))."""
+        exp = self._expiry
+        while exp and exp[0][0] <= now:
+            _, worker, version = exp.popleft()
+            w = self._w.get(worker)
+            if w is not None and w.report_version == version and w.report_fresh:
+                w.report_fresh = False
+                self._update(worker, w)
+
+    # -- outputs ----------------------------------------------------------------------------
+
+    def view(self, worker: str) -> LoadView:
+        w = self._w.get(worker)
+        return _IDLE if w is None else w.view
+
+    def idle_workers(self) -> list[str]:
+        """Idle workers, in no particular order (do not mutate)."""
+        return self._idle
+
+    def idle_index(self) -> dict[str, int]:
+        """Idle workers as a mapping, for fast membership tests (do not mutate)."""
+        return self._idle_pos
+
+    def busy_count(self) -> int:
+        return len(self._busy)
+
+    def busy_by_key(self) -> Iterator[tuple[float, str]]:
+        """Busy workers as (order key, worker), by increasing key."""
+        return iter(self._busy)
+
+    def inflight(self, worker: str) -> int:
+        w = self._w.get(worker)
+        return 0 if w is None else len(w.requests)
+
+    def inflight_total(self) -> int:
+        return len(self._req)
+
+    def last_report(self, worker: str) -> EngineReport | None:
+        w = self._w.get(worker)
+        return None if w is None else w.report
+
+    def check_invariants(self) -> None:
+        """Self-check for tests: the idle set and the busy order match the views."""
+        assert sorted(self._idle) == sorted(n for n, w in self._w.items() if w.view.idle)
+        assert self._busy == sorted(
+            (self.order_key(w.view.queued_prefill_tokens, w.view.running, w.view.kv_usage), n)
+            for n, w in self._w.items()
+            if not w.view.idle
+        )
+        assert all(self._idle[i] == n for n, i in self._idle_pos.items())
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _update(self, worker: str, w: _Worker) -> None:
+        local_q = float(w.prefill_tokens)
+        local_r = float(w.decoding + w.prefill_requests)
+        rep = w.report
+        if rep is None or not w.report_fresh:
+            view = LoadView(local_q, local_r, 0.0)
+        else:
+            if rep.waiting_prefill_tokens is not None:
+                engine_q = float(rep.waiting_prefill_tokens)
+            else:
+                engine_q = rep.waiting * self.mean_prompt_tokens
+            view = LoadView(
+                max(local_q, engine_q + w.sent_tokens_since_report),
+                max(local_r, float(rep.running + rep.waiting + w.sent_since_report)),
+                rep.kv_usage,
+            )
+        old = w.view
+        if view != old:
+            w.view = view
+            self._unplace(worker, old)
+            self._place(worker, view)
+
+    def _place(self, worker: str, view: LoadView) -> None:
+        if view.idle:
+            self._idle_pos[worker] = len(self._idle)
+            self._idle.append(worker)
+        else:
+            entry = (
+                self.order_key(view.queued_prefill_tokens, view.running, view.kv_usage),
+                worker,
+            )
+            self._busy_key[worker] = entry
+            bisect.insort(self._busy, entry)
+
+    def _unplace(self, worker: str, view: LoadView) -> None:
+        pos = self._idle_pos.pop(worker, None)
+        if pos is not None:
+            last = self._idle.pop()
+            if last != worker:
+                self._idle[pos] = last
+                self._idle_pos[last] = pos
+            return
+        entry = self._busy_key.pop(worker, None)
+        if entry is None:
+            return
+        i = bisect.bisect_left(self._busy, entry)
+        if i < len(self._busy) and self._busy[i] == entry:
+            del self._busy[i]

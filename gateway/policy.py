@@ -1,0 +1,205 @@
+"""Routing policies: the small interface every policy implements, and their registry.
+
+A policy sees one request and a ``PoolView`` of the eligible workers (the pool's healthy
+workers minus any excluded for this request): their prefix matches from the shadow index
+and their load, with the pool already ordered by load (idle workers; busy workers by queued
+prefill), so a policy can decide without scanning every worker. It returns a ``Decision``
+that carries its own explanation. Policies live one per module in ``gateway/policies/`` and
+register themselves by name; ``make_policy(name)`` builds one.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from gateway.costmodel import CostModel
+from gateway.load import LoadTracker, LoadView
+
+__all__ = [
+    "CandidateScore",
+    "Decision",
+    "Policy",
+    "PolicyContext",
+    "PoolView",
+    "RouteRequest",
+    "make_policy",
+    "policy_names",
+    "register",
+]
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy knows of a request."""
+
+    keys: Sequence[int]  # canonical block keys of the prompt, from the root
+    prompt_tokens: int
+    block_size: int
+    session_key: str | None = None
+
+    def matched_tokens(self, blocks: int) -> int:
+        return min(blocks * self.block_size, self.prompt_tokens)
+
+
+@dataclass(frozen=True)
+class CandidateScore:
+    """One line of a decision's explanation."""
+
+    worker: str
+    matched_tokens: int
+    predicted_ttft_ms: float | None
+    score: float | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker: str
+    policy: str
+    reason: str  # low-cardinality, for metrics: see each policy's REASONS
+    matched_tokens: int
+    predicted_ttft_ms: float | None
+    candidates: tuple[CandidateScore, ...] = ()  # evaluated candidates (all, with explain)
+
+
+class PoolView:
+    """The eligible workers of a pool for one request, with matches and load order."""
+
+    def __init__(
+        self,
+        loads: LoadTracker,
+        levels: list[tuple[int, list[str]]],
+        exclude: frozenset[str] = frozenset(),
+    ) -> None:
+        self.loads = loads
+        self.exclude = exclude
+        #: [(matched blocks, eligible workers)], longest first (ShadowIndex.match_levels)
+        members = loads.members()
+        if exclude:
+            levels = [(n, [w for w in ws if w not in exclude]) for n, ws in levels]
+        self.levels = [
+            (n, ws if all(map(members.__contains__, ws)) else [w for w in ws if w in members])
+            for n, ws in levels
+        ]
+        self.levels = [(n, ws) for n, ws in self.levels if ws]
+        self._matches: dict[str, int] | None = None
+        self._workers: list[str] | None = None
+
+    @classmethod
+    def from_matches(
+        cls, loads: LoadTracker, matches: dict[str, int], exclude: frozenset[str] = frozenset()
+    ) -> PoolView:
+        by: dict[int, list[str]] = {}
+        for w, n in matches.items():
+            by.setdefault(n, []).append(w)
+        return cls(loads, sorted(by.items(), reverse=True), exclude)
+
+    @property
+    def matches(self) -> dict[str, int]:
+        """Eligible worker -> matched blocks (workers without a match absent)."""
+        if self._matches is None:
+            self._matches = {w: n for n, ws in self.levels for w in ws}
+        return self._matches
+
+    @property
+    def workers(self) -> list[str]:
+        """Eligible workers, sorted by id."""
+        if self._workers is None:
+            allw = self.loads.workers()
+            self._workers = [w for w in allw if w not in self.exclude] if self.exclude else allw
+        return self._workers
+
+    def view(self, worker: str) -> LoadView:
+        return self.loads.view(worker)
+
+    def idle(self) -> list[str]:
+        """Eligible idle workers (no queued prefill, nothing running)."""
+        idle = self.loads.idle_workers()
+        if not self.exclude:
+            return idle
+        return [w for w in idle if w not in self.exclude]
+
+    def busy_by_key(self) -> Iterator[tuple[float, str]]:
+        """Eligible busy workers as (order key, worker) by increasing key (see LoadTracker)."""
+        if not self.exclude:
+            return self.loads.busy_by_key()
+        ex = self.exclude
+        return ((k, w) for k, w in self.loads.busy_by_key() if w not in ex)
+
+    def busy_count(self) -> int:
+        if not self.exclude:
+            return self.loads.busy_count()
+        return sum(1 for _ in self.busy_by_key())
+
+
+@dataclass
+class PolicyContext:
+    """Shared, per-pool inputs: the cost model and a seeded random source."""
+
+    cost: CostModel = field(default_factory=CostModel)
+    rng: random.Random = field(default_factory=random.Random)
+    now: float = 0.0
+
+
+class Policy(ABC):
+    """Chooses a worker among a pool's eligible workers."""
+
+    name: ClassVar[str]
+    #: False: the router skips the index lookup (the policy ignores prefix matches)
+    uses_index: ClassVar[bool] = True
+    REASONS: ClassVar[tuple[str, ...]] = ()
+
+    @abstractmethod
+    def choose(
+        self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, explain: bool = False
+    ) -> Decision:
+        """Pick an eligible worker (the pool is never empty). ``explain``: score everyone."""
+
+
+P = TypeVar("P", bound=type[Policy])
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(cls: P) -> P:
+    """Class decorator: make a policy available by its ``name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_builtin() -> None:
+    import gateway.policies  # noqa: F401  (each module registers itself)
+
+
+def policy_names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, **params: Any) -> Policy:
+    """A policy instance by registered name; unknown names and parameters are errors."""
+    _load_builtin()
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+    factory: Callable[..., Policy] = cls
+    try:
+        return factory(**params)
+    except TypeError as exc:
+        raise ValueError(f"bad parameters for policy {name!r}: {exc}") from None
+
+
+def simple_decision(
+    policy: Policy, request: RouteRequest, worker: str, pool: PoolView, reason: str, explain: bool
+) -> Decision:
+    """A decision for policies that do not predict TTFT (explanation: matches only)."""
+    matched = request.matched_tokens(pool.matches.get(worker, 0))
+    cands: tuple[CandidateScore, ...] = ()
+    if explain:
+        cands = tuple(
+            CandidateScore(w, request.matched_tokens(pool.matches.get(w, 0)), None, None)
+            for w in pool.workers
+        )
+    return Decision(worker, policy.name, reason, matched, None, cands)

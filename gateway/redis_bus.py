@@ -1,0 +1,250 @@
+"""``RedisBus``: the event bus on Redis Streams (redis-py asyncio, RESP2).
+
+Key layout (``prefix`` defaults to ``kvroute:``; docs/protocol.md, "Redis keys"):
+
+* ``{prefix}stream:{worker}`` — the worker's stream; one field ``e`` per entry (msgpack);
+* ``{prefix}snapshot:{worker}`` — the latest snapshot (msgpack string);
+* ``{prefix}worker:{worker}`` — the registration (JSON string, expires after the TTL);
+* ``{prefix}workers`` — set of worker ids ever registered (registrations expire, members are
+  pruned by readers when their key is gone);
+* ``{prefix}load:{worker}`` — the latest load report (msgpack string with a TTL).
+
+Appends are pipelined (one round trip per batch); reads use one XREAD over all streams.
+``rediss://`` URLs use TLS; a password in the URL (or ``password=``) sends AUTH.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.bus import (
+    BusError,
+    Entry,
+    EventBus,
+    Snapshot,
+    StreamRead,
+    WorkerInfo,
+    decode_report,
+    decode_snapshot,
+    decode_worker,
+    encode_entry,
+    encode_report,
+    encode_snapshot,
+    encode_worker,
+    try_decode_entry,
+)
+from gateway.load import EngineReport
+
+__all__ = ["RedisBus"]
+
+_FIELD = b"e"
+
+
+class RedisBus(EventBus):
+    """Redis Streams implementation of ``EventBus``.
+
+    ``max_stream_len`` caps every stream (approximate MAXLEN on XADD) as a safety net when
+    snapshots stop; normal trimming is MINID behind snapshots (``trim``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "kvroute:",
+        password: str | None = None,
+        max_stream_len: int | None = 1_000_000,
+        socket_timeout: float = 5.0,
+        connect_timeout: float = 2.0,
+        **kwargs: Any,
+    ) -> None:
+        self.prefix = prefix
+        self.max_stream_len = max_stream_len
+        opts: dict[str, Any] = {
+            "socket_timeout": socket_timeout,
+            "socket_connect_timeout": connect_timeout,
+            "health_check_interval": 10,
+            "retry_on_timeout": False,
+            **kwargs,
+        }
+        if password is not None:
+            opts["password"] = password
+        self._r: aioredis.Redis = aioredis.Redis.from_url(url, **opts)
+        # XREAD BLOCK holds its connection: give blocking reads their own client.
+        self._reader: aioredis.Redis = aioredis.Redis.from_url(url, **opts)
+
+    # -- key names --------------------------------------------------------------------------
+
+    def stream_key(self, worker: str) -> str:
+        return f"{self.prefix}stream:{worker}"
+
+    def snapshot_key(self, worker: str) -> str:
+        return f"{self.prefix}snapshot:{worker}"
+
+    def worker_key(self, worker: str) -> str:
+        return f"{self.prefix}worker:{worker}"
+
+    def load_key(self, worker: str) -> str:
+        return f"{self.prefix}load:{worker}"
+
+    @property
+    def workers_key(self) -> str:
+        return f"{self.prefix}workers"
+
+    # -- streams ----------------------------------------------------------------------------
+
+    async def append(self, worker: str, entries: Sequence[Entry]) -> list[str]:
+        if not entries:
+            return []
+        key = self.stream_key(worker)
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for entry in entries:
+                    pipe.xadd(
+                        key,
+                        {_FIELD: encode_entry(entry)},
+                        maxlen=self.max_stream_len,
+                        approximate=True,
+                    )
+                ids = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise BusError(f"XADD to {key} failed: {exc}") from exc
+        return [_s(i) for i in ids]
+
+    async def read(
+        self, positions: Mapping[str, str], count: int = 1000, block_ms: int | None = None
+    ) -> list[StreamRead]:
+        if not positions:
+            return []
+        streams = {self.stream_key(w): pos for w, pos in positions.items()}
+        cut = len(self.prefix) + len("stream:")
+        try:
+            reply = await self._reader.xread(streams, count=count, block=block_ms)  # type: ignore[arg-type]
+        except (RedisError, OSError) as exc:
+            raise BusError(f"XREAD failed: {exc}") from exc
+        out = []
+        for key, items in reply or []:
+            entries = [(_s(sid), _decode_fields(fields)) for sid, fields in items]
+            out.append(StreamRead(_s(key)[cut:], entries))
+        return out
+
+    async def trim(self, worker: str, min_id: str) -> None:
+        try:
+            await self._r.xtrim(self.stream_key(worker), minid=min_id, approximate=True)
+        except (RedisError, OSError) as exc:
+            raise BusError(f"XTRIM failed: {exc}") from exc
+
+    async def stream_bytes(self, worker: str) -> int:
+        try:
+            return int(await self._r.memory_usage(self.stream_key(worker), samples=0) or 0)
+        except (RedisError, OSError) as exc:
+            raise BusError(f"MEMORY USAGE failed: {exc}") from exc
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    async def write_snapshot(self, worker: str, snapshot: Snapshot) -> None:
+        try:
+            await self._r.set(self.snapshot_key(worker), encode_snapshot(snapshot))
+        except (RedisError, OSError) as exc:
+            raise BusError(f"snapshot write failed: {exc}") from exc
+
+    async def read_snapshot(self, worker: str) -> Snapshot | None:
+        try:
+            data = await self._r.get(self.snapshot_key(worker))
+        except (RedisError, OSError) as exc:
+            raise BusError(f"snapshot read failed: {exc}") from exc
+        if data is None:
+            return None
+        try:
+            return decode_snapshot(data)
+        except ValueError:  # msgspec.DecodeError is a ValueError
+            return None
+
+    # -- registry ---------------------------------------------------------------------------
+
+    async def register(self, info: WorkerInfo, ttl: float) -> None:
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.set(self.worker_key(info.worker_id), encode_worker(info), px=_ms(ttl))
+                pipe.sadd(self.workers_key, info.worker_id)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise BusError(f"register failed: {exc}") from exc
+
+    async def deregister(self, worker: str) -> None:
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.delete(self.worker_key(worker), self.load_key(worker))
+                pipe.srem(self.workers_key, worker)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise BusError(f"deregister failed: {exc}") from exc
+
+    async def workers(self) -> dict[str, WorkerInfo]:
+        try:
+            ids = sorted(_s(m) for m in await self._r.smembers(self.workers_key))  # type: ignore[misc]
+            if not ids:
+                return {}
+            values = await self._r.mget([self.worker_key(w) for w in ids])
+        except (RedisError, OSError) as exc:
+            raise BusError(f"registry read failed: {exc}") from exc
+        out = {}
+        for w, data in zip(ids, values, strict=True):
+            if data is None:
+                continue
+            try:
+                out[w] = decode_worker(data)
+            except ValueError:
+                continue
+        return out
+
+    # -- load -------------------------------------------------------------------------------
+
+    async def publish_report(self, worker: str, report: EngineReport, ttl: float) -> None:
+        try:
+            await self._r.set(self.load_key(worker), encode_report(report), px=_ms(ttl))
+        except (RedisError, OSError) as exc:
+            raise BusError(f"load report failed: {exc}") from exc
+
+    async def read_reports(self, workers: Sequence[str]) -> dict[str, EngineReport]:
+        if not workers:
+            return {}
+        try:
+            values = await self._r.mget([self.load_key(w) for w in workers])
+        except (RedisError, OSError) as exc:
+            raise BusError(f"load read failed: {exc}") from exc
+        out = {}
+        for w, data in zip(workers, values, strict=True):
+            if data is not None:
+                try:
+                    out[w] = decode_report(data)
+                except ValueError:
+                    continue
+        return out
+
+    async def ping(self) -> None:
+        try:
+            await self._r.ping()
+        except (RedisError, OSError) as exc:
+            raise BusError(f"PING failed: {exc}") from exc
+
+    async def close(self) -> None:
+        await self._r.aclose()
+        await self._reader.aclose()
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _decode_fields(fields: Mapping[bytes, bytes]) -> Entry | None:
+    data = fields.get(_FIELD)
+    return None if data is None else try_decode_entry(data)

@@ -1,0 +1,137 @@
+"""The routing core's front door: index lookup + load + policy -> decision, and bookkeeping.
+
+Pure and synchronous: time is an argument, randomness is a seeded ``random.Random``. The
+live gateway, the offline cluster simulator and the benchmarks drive this same class, so
+what the simulator says about routing quality is what the gateway does.
+
+Life of a request: ``route()`` (lookup + policy; speculative insert of the prompt's keys for
+the chosen worker) -> ``started()`` when it is sent (in-flight accounting) -> ``first_token()``
+(prefill done; calibrates the cost model) -> ``finished()``. A retry on another worker is a
+new ``route()`` with the failed worker excluded from the candidates.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from gateway.costmodel import CostModel
+from gateway.index import ShadowIndex
+from gateway.load import LoadTracker
+from gateway.policy import Decision, Policy, PolicyContext, PoolView, RouteRequest
+
+__all__ = ["NoCandidates", "Router", "Ticket"]
+
+
+class NoCandidates(LookupError):
+    """No healthy worker to route to (the gateway answers 503)."""
+
+
+@dataclass
+class Ticket:
+    """Handle of a request in flight (returned by ``started``)."""
+
+    rid: int
+    decision: Decision
+    sent_at: float
+
+
+class Router:
+    """Routes the requests of one pool over its workers.
+
+    The shadow index may be shared by several pools' routers (keys of different pools never
+    meet); the load tracker is the pool's own and defines its membership.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        block_size: int,
+        *,
+        index: ShadowIndex | None = None,
+        loads: LoadTracker | None = None,
+        cost: CostModel | None = None,
+        rng: random.Random | None = None,
+        speculate: bool = True,
+    ) -> None:
+        self.policy = policy
+        self.block_size = block_size
+        self.index = index if index is not None else ShadowIndex()
+        cost = cost or CostModel()
+        # busy workers ordered by the cost model's lower bound (see CostModel.queue_key)
+        self.loads = loads if loads is not None else LoadTracker(order_key=cost.queue_key)
+        self.ctx = PolicyContext(cost=cost, rng=rng or random.Random())
+        self.speculate = speculate
+
+    # -- membership -------------------------------------------------------------------------
+
+    def add_worker(self, worker: str) -> None:
+        self.loads.add_worker(worker)
+
+    def remove_worker(self, worker: str) -> None:
+        """The worker left the pool: forget its load (the index owner forgets its blocks)."""
+        self.loads.remove_worker(worker)
+
+    def workers(self) -> list[str]:
+        return self.loads.workers()
+
+    # -- decisions --------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Housekeeping off the request path: expire speculation, demote stale reports.
+
+        The owner calls it periodically (the gateway every 100 ms; simulators per step).
+        """
+        self.index.expire(now)
+        self.loads.refresh(now)
+
+    def route(
+        self,
+        keys: Sequence[int],
+        prompt_tokens: int,
+        now: float,
+        *,
+        session_key: str | None = None,
+        exclude: Iterable[str] = (),
+        dry_run: bool = False,
+        explain: bool = False,
+    ) -> Decision:
+        """Choose a worker for a prompt of ``prompt_tokens`` tokens with block ``keys``.
+
+        ``exclude``: workers not to use for this request (unhealthy, or already tried).
+        ``dry_run``: no speculative insert (stateful baselines such as round robin still
+        advance). ``explain``: score every worker for the explanation (slower; for debugging).
+        """
+        index = self.index
+        self.loads.refresh(now)
+        levels = index.match_levels(keys) if self.policy.uses_index and keys else []
+        pool = PoolView(self.loads, levels, frozenset(exclude))
+        if not pool.workers:
+            raise NoCandidates("no healthy worker")
+        self.ctx.now = now
+        request = RouteRequest(keys, prompt_tokens, self.block_size, session_key)
+        decision = self.policy.choose(request, pool, self.ctx, explain)
+        if self.speculate and not dry_run and keys:
+            index.speculate(
+                decision.worker, keys, now, start=decision.matched_tokens // self.block_size
+            )
+        return decision
+
+    def started(self, decision: Decision, prompt_tokens: int, now: float) -> Ticket:
+        """The request was sent to ``decision.worker``."""
+        uncached = max(prompt_tokens - decision.matched_tokens, 1)
+        rid = self.loads.started(decision.worker, uncached, now)
+        return Ticket(rid, decision, now)
+
+    def first_token(self, ticket: Ticket, now: float) -> None:
+        """The first token arrived: the request's prefill is done."""
+        if not self.loads.first_token(ticket.rid):
+            return
+        predicted = ticket.decision.predicted_ttft_ms
+        if predicted is not None:
+            self.ctx.cost.observe(predicted, (now - ticket.sent_at) * 1000.0)
+
+    def finished(self, ticket: Ticket, now: float) -> None:
+        """The request ended (success, error or cancellation)."""
+        self.loads.finished(ticket.rid)

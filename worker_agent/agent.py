@@ -1,0 +1,291 @@
+"""The worker agent: wires engine subscribers → pipeline → publisher, and keeps the worker
+registered and its load reported.
+
+Start order makes the new epoch visible before the worker is (re)registered: the first
+entry of an epoch is a clear, and the registration waits (briefly) for it to be written.
+Every loop is supervised: an unexpected error is logged and the loop restarts, so the
+agent keeps running whatever the engine or the bus does. Graceful stop (SIGTERM in the CLI)
+flushes what is buffered and deregisters the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+import zmq.asyncio
+from aiohttp import web
+
+from gateway.bus import BusError, Cleared, EventBus, WorkerInfo
+from gateway.keys import BlockKeyer
+from worker_agent.config import AgentConfig
+from worker_agent.engines import adapter_for
+from worker_agent.engines.base import (
+    Discovery,
+    DiscoveryError,
+    EngineAdapter,
+    EventSource,
+    endpoint_for_rank,
+    parse_metrics,
+)
+from worker_agent.metrics import AgentMetrics
+from worker_agent.pipeline import EventPipeline
+from worker_agent.publisher import Publisher
+from worker_agent.subscriber import RankSubscriber
+
+__all__ = ["Agent"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Capacity:
+    tokens: int | None = None
+
+
+class Agent:
+    """One worker's agent. ``run(stop)`` until ``stop`` is set."""
+
+    def __init__(
+        self, config: AgentConfig, bus: EventBus, metrics: AgentMetrics | None = None
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.bus = bus
+        self.metrics = metrics or AgentMetrics()
+        self.adapter: EngineAdapter = adapter_for(config.engine.kind)
+        self.keyer = BlockKeyer(config.hash_seed, config.block_size)
+        self.epoch = time.time_ns() // 1000  # microseconds: a later start has a larger epoch
+        self.publisher = Publisher(
+            bus, config.worker_id, self.epoch, self._parents, self.metrics, config.publish
+        )
+        self.pipeline: EventPipeline | None = None
+        self.subscribers: list[RankSubscriber] = []
+        self.ready = asyncio.Event()  # subscribed, initial replay done, first entry written
+        self.engine_block_size: int | None = config.engine.block_size
+        self._capacity = _Capacity()
+        self._session: aiohttp.ClientSession | None = None
+
+    def mirror_keys(self) -> frozenset[int]:
+        """The canonical keys published for this worker (what consumers must hold)."""
+        return frozenset() if self.pipeline is None else self.pipeline.mirror.keys()
+
+    def _parents(self) -> dict[int, int | None]:
+        return {} if self.pipeline is None else self.pipeline.mirror.parent
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        cfg = self.config
+        ctx = zmq.asyncio.Context()
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+        tasks: list[asyncio.Task[None]] = []
+        runner: web.AppRunner | None = None
+        try:
+            sources = await self._sources(stop)
+            if sources is None:
+                return
+            self.pipeline = EventPipeline(
+                self.keyer,
+                self.publisher.add,
+                self.metrics,
+                ranks=[s.rank for s in sources],
+                gpu_media=self.adapter.gpu_media,
+            )
+            self.publisher.add([Cleared()], sources[0].rank, -1, time.time())
+            self.subscribers = [
+                RankSubscriber(ctx, s, self.pipeline, self.metrics, cfg.engine.replay_timeout)
+                for s in sources
+            ]
+            tasks.append(self._spawn("publisher", self.publisher.run))
+            for sub in self.subscribers:
+                tasks.append(self._spawn(f"subscriber-{sub.source.rank}", sub.run))
+            tasks.append(self._spawn("heartbeat", self._heartbeat_loop))
+            tasks.append(self._spawn("load", self._report_loop))
+            if cfg.metrics_port is not None:
+                runner = await self._serve_metrics()
+            await self._wait_ready(stop)
+            log.info(
+                "agent ready: worker=%s epoch=%d ranks=%d", cfg.worker_id, self.epoch, len(sources)
+            )
+            await stop.wait()
+            await self._shutdown(tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            if runner is not None:
+                await runner.cleanup()
+            await self._session.close()
+            ctx.destroy(linger=0)
+
+    async def _wait_ready(self, stop: asyncio.Event) -> None:
+        waits = [asyncio.create_task(s.connected.wait()) for s in self.subscribers]
+        waits.append(asyncio.create_task(self.publisher.started.wait()))
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait([asyncio.gather(*waits), stopper], return_when="FIRST_COMPLETED")
+        finally:
+            stopper.cancel()
+            for w in waits:
+                w.cancel()
+        if not stop.is_set():
+            self.ready.set()
+
+    async def _shutdown(self, tasks: list[asyncio.Task[None]]) -> None:
+        for t in tasks:
+            if t.get_name().startswith("subscriber"):
+                t.cancel()
+        if not await self.publisher.flush(timeout=3.0):
+            log.warning("shutting down with unpublished events (bus unavailable)")
+        try:
+            await self.bus.deregister(self.config.worker_id)
+            log.info("deregistered worker %s", self.config.worker_id)
+        except BusError as exc:
+            log.warning("could not deregister (registration will lapse): %s", exc)
+
+    def _spawn(self, name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        return asyncio.create_task(self._supervise(name, loop), name=name)
+
+    async def _supervise(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await loop()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("agent loop %s failed; restarting in %.1fs", name, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # -- discovery --------------------------------------------------------------------------
+
+    async def _sources(self, stop: asyncio.Event) -> list[EventSource] | None:
+        eng = self.config.engine
+        if eng.events:
+            dp = eng.dp_size or 1
+            return [
+                EventSource(
+                    r,
+                    endpoint_for_rank(eng.events, r),
+                    endpoint_for_rank(eng.replay, r) if eng.replay else None,
+                    eng.topic,
+                )
+                for r in range(dp)
+            ]
+        deadline = time.monotonic() + eng.discovery_timeout
+        while not stop.is_set():
+            try:
+                found = await self._discover()
+                if self.engine_block_size is None:
+                    self.engine_block_size = found.block_size
+                return found.sources
+            except (DiscoveryError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                if time.monotonic() > deadline:
+                    raise DiscoveryError(f"engine at {eng.url} gave no event sources: {exc}")
+                log.info("waiting for the engine's event sources: %s", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+        return None
+
+    async def _discover(self) -> Discovery:
+        assert self._session is not None
+        url = self.config.engine.url.rstrip("/") + self.adapter.discovery_path
+        async with self._session.get(url) as resp:
+            resp.raise_for_status()
+            info = await resp.json(content_type=None)
+        found = self.adapter.discover(info, self.config.engine.url)
+        if self.config.engine.dp_size and len(found.sources) != self.config.engine.dp_size:
+            log.warning(
+                "engine reports %d ranks, configured dp_size=%d: using the engine's",
+                len(found.sources),
+                self.config.engine.dp_size,
+            )
+        return found
+
+    # -- registration and load --------------------------------------------------------------
+
+    def worker_info(self) -> WorkerInfo:
+        cfg = self.config
+        cap = cfg.kv_capacity_blocks
+        if cap is None and self._capacity.tokens:
+            cap = self._capacity.tokens // cfg.block_size
+        return WorkerInfo(
+            worker_id=cfg.worker_id,
+            url=cfg.worker_url or cfg.engine.url,
+            model=cfg.model,
+            pool=cfg.pool or cfg.model,
+            engine=cfg.engine.kind,
+            engine_block_size=self.engine_block_size or cfg.block_size,
+            block_size=cfg.block_size,
+            kv_capacity_blocks=cap,
+            dp_size=len(self.subscribers) or 1,
+            labels=dict(cfg.labels),
+            epoch=self.epoch,
+            started_at=self.epoch / 1e6,
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.publisher.started.wait(), 2.0)
+        while True:
+            try:
+                await self.bus.register(self.worker_info(), self.config.registration_ttl)
+            except BusError:
+                self.metrics.publish_errors.inc()
+            await asyncio.sleep(self.config.heartbeat_interval)
+
+    async def _report_loop(self) -> None:
+        failing = False
+        ttl = max(2.0, 4 * self.config.report_interval)
+        while True:
+            started = time.monotonic()
+            try:
+                samples = await self._scrape()
+                self._capacity.tokens = (
+                    self.adapter.capacity_tokens(samples) or self._capacity.tokens
+                )
+                report = self.adapter.report(samples, time.time())
+                await self.bus.publish_report(self.config.worker_id, report, ttl)
+                failing = False
+            except BusError:
+                self.metrics.publish_errors.inc()
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                self.metrics.scrape_errors.inc()
+                if not failing:
+                    log.warning("cannot scrape engine metrics: %s", exc)
+                failing = True
+            elapsed = time.monotonic() - started
+            await asyncio.sleep(max(0.0, self.config.report_interval - elapsed))
+
+    async def _scrape(self) -> dict[str, list[tuple[str, float]]]:
+        assert self._session is not None
+        url = self.config.engine.url.rstrip("/") + self.config.engine.metrics_path
+        async with self._session.get(url) as resp:
+            resp.raise_for_status()
+            text = await resp.text()
+        return parse_metrics(text, self.adapter.metric_names)
+
+    async def _serve_metrics(self) -> web.AppRunner:
+        async def handle(_: web.Request) -> web.Response:
+            return web.Response(
+                body=self.metrics.exposition(),
+                headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+            )
+
+        app = web.Application()
+        app.router.add_get("/metrics", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.metrics_host, self.config.metrics_port)
+        await site.start()
+        return runner

@@ -1,0 +1,65 @@
+"""The agent's settings: one dataclass tree (YAML file < ``KVROUTE_AGENT_*`` env < flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from worker_agent.publisher import PublisherSettings
+
+__all__ = ["AgentConfig", "EngineConfig", "RedisConfig"]
+
+ENV_PREFIX = "KVROUTE_AGENT_"
+
+
+@dataclass
+class EngineConfig:
+    kind: Literal["vllm", "sglang"] = "vllm"
+    url: str = "http://127.0.0.1:8000"  # HTTP base: discovery and /metrics
+    events: str | None = None  # tcp://HOST:PORT of rank 0's PUB (skips discovery)
+    replay: str | None = None  # tcp://HOST:PORT of rank 0's replay ROUTER
+    topic: str = ""
+    dp_size: int | None = None  # ranks at port + rank (default: discovered, else 1)
+    block_size: int | None = None  # engine block size for the registration (else discovered)
+    metrics_path: str = "/metrics"
+    discovery_timeout: float = 120.0  # keep asking the engine this long at start
+    replay_timeout: float = 2.0
+
+
+@dataclass
+class RedisConfig:
+    url: str = "redis://127.0.0.1:6379/0"  # redis:// or rediss://, AUTH in the URL
+    password: str | None = None
+    prefix: str = "kvroute:"
+    max_stream_len: int = 1_000_000
+
+
+@dataclass
+class AgentConfig:
+    worker_id: str = ""
+    model: str = ""
+    pool: str = ""  # defaults to the model
+    worker_url: str | None = None  # the URL the gateway routes to (default: engine.url)
+    labels: dict[str, str] = field(default_factory=dict)
+    block_size: int = 16  # the pool's canonical block size
+    hash_seed: str = "kvroute"  # the deployment's key seed: must equal the gateway's
+    kv_capacity_blocks: int | None = None  # canonical blocks (default: from /metrics)
+    heartbeat_interval: float = 1.0
+    registration_ttl: float = 3.0
+    report_interval: float = 0.25  # load reports (the gateway wants ≤ 0.5 s)
+    metrics_port: int | None = None  # serve the agent's /metrics here
+    metrics_host: str = "0.0.0.0"
+    log_level: str = "INFO"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    publish: PublisherSettings = field(default_factory=PublisherSettings)
+
+    def validate(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id is required (--worker-id)")
+        if not self.model:
+            raise ValueError("model is required (--model)")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.registration_ttl <= self.heartbeat_interval:
+            raise ValueError("registration_ttl must exceed heartbeat_interval")

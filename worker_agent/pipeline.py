@@ -1,0 +1,136 @@
+"""Engine batches of every DP rank → canonical events for the publisher; no I/O.
+
+The subscriber calls ``on_batch`` for each engine batch in sequence order and ``on_reset``
+when the engine's history is lost for a rank (restart, gap without replay, a lost batch).
+Every canonical change goes through the mirror, so what is published is exactly the change
+of the mirror.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from gateway.bus import Event, Removed, Stored
+from gateway.keys import BlockKeyer
+from worker_agent.canonical import RankCanonicaliser
+from worker_agent.engines.decode import (
+    BadBatch,
+    BadEvent,
+    BlockRemoved,
+    BlockStored,
+    DecodeLimits,
+    decode_batch,
+)
+from worker_agent.metrics import AgentMetrics
+from worker_agent.mirror import WorkerMirror
+
+__all__ = ["EventPipeline", "Sink"]
+
+#: sink(events, dp_rank, engine seq or -1, engine timestamp)
+Sink = Callable[[list[Event], int, int, float], None]
+
+
+class EventPipeline:
+    def __init__(
+        self,
+        keyer: BlockKeyer,
+        sink: Sink,
+        metrics: AgentMetrics,
+        ranks: list[int] | None = None,
+        gpu_media: frozenset[str | None] = frozenset({None, "GPU"}),
+        limits: DecodeLimits | None = None,
+    ) -> None:
+        self.mirror = WorkerMirror()
+        self.ranks = {r: RankCanonicaliser(keyer, gpu_media) for r in ranks or [0]}
+        self.sink = sink
+        self.metrics = metrics
+        self.limits = limits or DecodeLimits()
+
+    def on_batch(self, rank: int, seq: int, payload: bytes) -> bool:
+        """Apply one engine batch; False if it was undecodable (the rank is then cleared)."""
+        m = self.metrics
+        m.frames.inc()
+        try:
+            batch = decode_batch(payload, self.limits)
+        except BadBatch as exc:
+            m.bad.labels(exc.reason).inc()
+            # it may have held removals we cannot apply: never keep a possibly stale state
+            self.on_reset(rank, "lost_batch")
+            return False
+        for reason in batch.bad:
+            m.bad.labels(reason).inc()
+        canon = self.ranks[rank]
+        out = _Events()
+        stored = removed = 0
+        for ev in batch.events:
+            try:
+                if type(ev) is BlockStored:
+                    stored += 1
+                    chains = canon.stored(ev)
+                    if chains:
+                        out.extend(self.mirror.add(chains))
+                elif type(ev) is BlockRemoved:
+                    removed += 1
+                    gone = canon.removed(ev)
+                    if gone:
+                        out.extend(self.mirror.drop(gone))
+                else:
+                    m.events.labels("cleared").inc()
+                    m.clears.labels("engine").inc()
+                    out.extend(self._clear_rank(rank))
+            except BadEvent as exc:
+                m.bad.labels(exc.reason).inc()
+        m.events.labels("stored").inc(stored)
+        m.events.labels("removed").inc(removed)
+        self._flush_dropped(canon)
+        self._emit(out.items, rank, seq, batch.ts)
+        return True
+
+    def on_reset(self, rank: int, reason: str) -> None:
+        """The rank's engine history is lost: publish that it holds nothing."""
+        self.metrics.clears.labels(reason).inc()
+        self._emit(self._clear_rank(rank), rank, -1, time.time())
+
+    def _clear_rank(self, rank: int) -> list[Event]:
+        keys = self.ranks[rank].cleared()
+        if len(self.ranks) == 1:
+            return self.mirror.clear()
+        return self.mirror.drop(keys)
+
+    def _emit(self, events: list[Event], rank: int, seq: int, ts: float) -> None:
+        m = self.metrics
+        for ev in events:
+            if isinstance(ev, Removed):
+                m.blocks.labels("removed").inc(len(ev.keys))
+            elif isinstance(ev, Stored):
+                m.blocks.labels("stored").inc(len(ev.keys))
+        m.mirror_blocks.set(len(self.mirror))
+        self.sink(events, rank, seq, ts)
+
+    def _flush_dropped(self, canon: RankCanonicaliser) -> None:
+        if canon.dropped:
+            for reason, n in canon.dropped.items():
+                self.metrics.dropped.labels(reason).inc(n)
+            canon.dropped.clear()
+
+
+class _Events:
+    """Canonical events of one batch; adjacent removes merged into one (vLLM sends one
+    BlockRemoved per hash)."""
+
+    def __init__(self) -> None:
+        self.items: list[Event] = []
+        self._removes: list[int] | None = None
+
+    def extend(self, events: list[Event]) -> None:
+        for ev in events:
+            if isinstance(ev, Removed):
+                if self._removes is None:
+                    self._removes = list(ev.keys)
+                    self.items.append(Removed(self._removes))
+                else:
+                    self._removes.extend(ev.keys)
+            else:
+                self._removes = None
+                self.items.append(ev)
