@@ -259,10 +259,10 @@ class EventBus(ABC):
         """Bytes the store spends on ``worker``'s stream (for benchmarks; 0 if unknown)."""
         return 0
 
-    async def ping(self) -> None:
+    async def ping(self) -> None:  # noqa: B027 - optional, default: assume up
         """Raise ``BusError`` unless the store answers."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional, nothing to release
         """Release connections."""
 
 

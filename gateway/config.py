@@ -14,6 +14,7 @@ This module also holds the gateway's own configuration schema (``GatewayConfig``
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 import types
 import typing
 from collections.abc import Mapping
@@ -22,7 +23,9 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
 
-__all__ = ["ConfigError", "load_config", "parse_assignments", "to_dict"]
+from gateway.costmodel import CostParams
+
+__all__ = ["ConfigError", "GatewayConfig", "PoolSettings", "load_config", "parse_assignments", "to_dict"]
 
 T = TypeVar("T")
 
@@ -227,3 +230,161 @@ def _build(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{name}: expected a string, got {value!r}")
         return str(value)
     raise ConfigError(f"{name}: unsupported setting type {tp!r}")
+
+
+# -- the gateway's configuration schema --------------------------------------------------------
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: processes sharing the port (SO_REUSEPORT); each is an independent replica
+    workers: int = 1
+    max_body_bytes: int = 32 * 1024 * 1024
+    #: seconds to let in-flight requests finish on SIGTERM
+    shutdown_grace: float = 10.0
+
+
+@dataclass
+class RedisSettings:
+    #: redis:// or rediss:// URL (AUTH in the URL); empty: no registry, static workers only
+    url: str = ""
+    #: CA bundle for rediss:// when the server's certificate is not in the system store
+    tls_ca_file: str = ""
+    connect_timeout: float = 1.0
+
+
+@dataclass
+class StaticWorker:
+    url: str
+    worker_id: str = ""
+
+
+@dataclass
+class PoolSettings:
+    """One served model: its tokenizer, block size and routing parameters."""
+
+    model: str
+    tokenizer: str
+    aliases: list[str] = field(default_factory=list)
+    #: template name shipped with kvroute, a .jinja path, or empty: from tokenizer_config.json
+    chat_template: str = ""
+    block_size: int = 16
+    max_model_len: int = 131072
+    policy: str = "ttft"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    cost: CostParams = field(default_factory=CostParams)
+    #: strip trailing whitespace and normalise newlines in chat messages (and forward those)
+    normalize_prompts: bool = False
+    static_workers: list[StaticWorker] = field(default_factory=list)
+
+
+@dataclass
+class IndexSettings:
+    #: the deployment's secret block-key seed; must equal the agents' --hash-seed
+    hash_seed: str = "kvroute"
+    speculative_ttl: float = 5.0
+
+
+@dataclass
+class ProxySettings:
+    connect_timeout: float = 2.0
+    #: seconds until the upstream's first body byte (long prompts prefill for a while)
+    first_byte_timeout: float = 120.0
+    #: seconds between body chunks once streaming
+    idle_timeout: float = 120.0
+    max_retries: int = 2
+    retry_backoff: float = 0.05
+    retry_statuses: list[int] = field(default_factory=lambda: [429, 502, 503, 504])
+    connections_per_worker: int = 256
+    #: Authorization sent to workers (engines started with --api-key), never the client's
+    upstream_api_key: str = ""
+
+
+@dataclass
+class LimitSettings:
+    #: requests in flight upstream at once (0: unlimited)
+    max_concurrency: int = 0
+    #: requests waiting for a slot beyond which new ones get 429
+    queue_size: int = 1024
+    #: seconds a request may wait for a slot before a 408
+    queue_timeout: float = 30.0
+
+
+@dataclass
+class CircuitSettings:
+    #: consecutive failures (timeouts, 5xx) that open a worker's circuit
+    failure_threshold: int = 3
+    #: a refused connection opens the circuit at once
+    open_on_connect_error: bool = True
+    #: seconds an open circuit waits before letting one probe request through
+    open_seconds: float = 2.0
+
+
+@dataclass
+class ApiKey:
+    key: str
+    name: str = ""
+    #: higher tiers are served first when requests queue for a slot
+    priority: int = 0
+    #: requests per second (0: unlimited), bursts up to twice that
+    requests_per_s: float = 0.0
+    #: prompt + completion tokens per second (0: unlimited)
+    tokens_per_s: float = 0.0
+
+
+@dataclass
+class AuthSettings:
+    #: client keys (Bearer); empty: no authentication on the API
+    api_keys: list[ApiKey] = field(default_factory=list)
+    #: key for /debug/route and /workers; empty: admin endpoints disabled
+    admin_key: str = ""
+
+
+@dataclass
+class SecuritySettings:
+    #: hosts or CIDRs registrations may point at; empty: any host (trusted Redis)
+    allowed_upstreams: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LogSettings:
+    level: str = "info"
+    #: log prompts and completions (off: never logged)
+    log_prompts: bool = False
+    access_log: bool = False
+
+
+@dataclass
+class GatewayConfig:
+    pools: list[PoolSettings] = field(default_factory=list)
+    server: ServerSettings = field(default_factory=ServerSettings)
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    index: IndexSettings = field(default_factory=IndexSettings)
+    proxy: ProxySettings = field(default_factory=ProxySettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
+    circuit: CircuitSettings = field(default_factory=CircuitSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
+    security: SecuritySettings = field(default_factory=SecuritySettings)
+    log: LogSettings = field(default_factory=LogSettings)
+    #: header carrying a session id (the ``session`` policy; falls back to the body's "user")
+    session_header: str = "x-session-id"
+
+    def validate(self) -> None:
+        """Cross-field checks the types cannot express (raises ConfigError)."""
+        if not self.pools:
+            raise ConfigError("pools: at least one pool is required")
+        names: set[str] = set()
+        for i, p in enumerate(self.pools):
+            for name in [p.model, *p.aliases]:
+                if name in names:
+                    raise ConfigError(f"pools.{i}: model name {name!r} is served twice")
+                names.add(name)
+            if p.block_size < 1:
+                raise ConfigError(f"pools.{i}.block_size: must be >= 1")
+            if p.max_model_len < 1:
+                raise ConfigError(f"pools.{i}.max_model_len: must be >= 1")
+        if not self.redis.url and not any(p.static_workers for p in self.pools):
+            raise ConfigError("redis.url is empty and no pool has static_workers: no workers")
+        if self.server.workers < 1:
+            raise ConfigError("server.workers: must be >= 1")

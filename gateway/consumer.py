@@ -264,9 +264,9 @@ class Consumer:
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    async def wait_synced(self, timeout: float | None = None) -> None:
+    async def wait_synced(self, within: float | None = None) -> None:
         """Until the registry was read and every worker bootstrapped once."""
-        await asyncio.wait_for(self._synced.wait(), timeout)
+        await asyncio.wait_for(self._synced.wait(), within)
 
     # -- lifecycle --------------------------------------------------------------------------
 

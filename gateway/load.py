@@ -63,8 +63,8 @@ class _Worker:
     prefill_tokens: int = 0  # our requests still waiting for their first token
     prefill_requests: int = 0
     decoding: int = 0  # our requests streaming tokens
-    sent_since_report: int = 0
-    sent_tokens_since_report: int = 0
+    sent_since_report: int = 0  # our requests sent after the report, still in flight
+    sent_tokens_since_report: int = 0  # ... and their prefill tokens, until the first token
     requests: set[int] = field(default_factory=set)
 
 
@@ -72,6 +72,7 @@ class _Worker:
 class _Inflight:
     worker: str
     prefill_tokens: int
+    report_version: int  # the worker's report version when sent: newer reports include it
     first_token: bool = False
 
 
@@ -80,10 +81,10 @@ class LoadTracker:
 
     The merge avoids double counting: the engine's queue already holds our requests that it
     received before its report, so queued prefill work is the larger of (a) our own requests
-    still waiting for a first token and (b) the engine's queue at report time plus what we
-    sent since. (a) is exact for a single gateway; (b) also sees other gateway replicas'
-    traffic, with the report's delay. Reports older than ``report_ttl`` stop counting
-    (``refresh(now)`` demotes them).
+    still waiting for a first token and (b) the engine's queue at report time plus our
+    requests sent after the report that still wait for their first token. (a) is exact for a
+    single gateway; (b) also sees other gateway replicas' traffic, with the report's delay.
+    Reports older than ``report_ttl`` stop counting (``refresh(now)`` demotes them).
     """
 
     def __init__(
@@ -157,8 +158,8 @@ class LoadTracker:
         self.add_worker(worker)
         rid = self._next_id
         self._next_id += 1
-        self._req[rid] = _Inflight(worker, prefill_tokens)
         w = self._w[worker]
+        self._req[rid] = _Inflight(worker, prefill_tokens, w.report_version)
         w.prefill_tokens += prefill_tokens
         w.prefill_requests += 1
         w.sent_since_report += 1
@@ -178,6 +179,8 @@ class LoadTracker:
             w.prefill_tokens -= req.prefill_tokens
             w.prefill_requests -= 1
             w.decoding += 1
+            if req.report_version == w.report_version:
+                w.sent_tokens_since_report -= req.prefill_tokens
             self._update(req.worker, w)
         return True
 
@@ -193,6 +196,10 @@ class LoadTracker:
         else:
             w.prefill_tokens -= req.prefill_tokens
             w.prefill_requests -= 1
+        if req.report_version == w.report_version:
+            w.sent_since_report -= 1
+            if not req.first_token:
+                w.sent_tokens_since_report -= req.prefill_tokens
         w.requests.discard(rid)
         self._update(req.worker, w)
 

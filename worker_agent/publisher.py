@@ -141,11 +141,11 @@ class Publisher:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.settings.backoff_max)
 
-    async def flush(self, timeout: float) -> bool:
+    async def flush(self, within: float) -> bool:
         """Wait until everything queued so far is acknowledged (graceful shutdown)."""
         self._wake.set()
         try:
-            await asyncio.wait_for(self.idle.wait(), timeout)
+            await asyncio.wait_for(self.idle.wait(), within)
             return True
         except TimeoutError:
             return False

@@ -70,7 +70,7 @@ class SeqTracker:
 
 
 async def replay(
-    ctx: zmq.asyncio.Context, endpoint: str, start: int, timeout: float
+    ctx: zmq.asyncio.Context, endpoint: str, start: int, patience: float
 ) -> list[tuple[int, bytes]] | None:
     """Batches from ``start`` held by the engine's replay buffer; None if unavailable."""
     sock = ctx.socket(zmq.DEALER)
@@ -80,7 +80,7 @@ async def replay(
         await sock.send_multipart([b"", start.to_bytes(8, "big")])
         out: list[tuple[int, bytes]] = []
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = loop.time() + patience
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:

@@ -174,7 +174,7 @@ def _stored(f: dict[Any, Any], limits: DecodeLimits) -> BlockStored:
     if len(tokens) > limits.max_event_tokens:
         raise BadEvent("too_large")
     bs = f.get("block_size")
-    if not _is_int(bs) or bs < 1:
+    if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
         raise BadEvent("wrong_type")
     if len(tokens) != len(hashes) * bs:
         raise BadEvent("token_count")

@@ -1,0 +1,161 @@
+"""``kvroute gateway``: run the gateway (one process, or N replicas on one port).
+
+With ``--workers N`` (``server.workers``) a supervisor starts N processes that each bind the
+same port with SO_REUSEPORT; the kernel spreads connections over them. Each is an
+independent replica (its own index from the bus, its own load accounting), exactly like
+separate gateway pods; Prometheus metrics are aggregated across them. The supervisor
+restarts a process that dies and stops them all on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from gateway.config import ConfigError, GatewayConfig, load_config, parse_assignments
+
+__all__ = ["add_arguments", "run"]
+
+log = logging.getLogger("kvroute.gateway")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML configuration file")
+    p.add_argument("--host", help="listen address (server.host)")
+    p.add_argument("--port", type=int, help="listen port (server.port)")
+    p.add_argument("--workers", type=int, help="processes on the port (server.workers)")
+    p.add_argument("--redis", help="event bus URL, redis:// or rediss:// (redis.url)")
+    p.add_argument("--set", action="append", metavar="PATH=VALUE", help="any setting, e.g. --set proxy.max_retries=3")
+    p.add_argument("--log-level", help="debug, info, warning (log.level)")
+    p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    overrides: dict[str, Any] = parse_assignments(args.set)
+    for flag, path in (("host", "server.host"), ("port", "server.port"), ("workers", "server.workers"), ("redis", "redis.url"), ("log_level", "log.level")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides[path] = value
+    cfg = load_config(GatewayConfig, file=args.config, env=os.environ, overrides=overrides)
+    cfg.validate()
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        print(f"kvroute gateway: configuration error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.log.level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if cfg.server.workers > 1 and args.worker_index is None:
+        return _supervise(cfg)
+    try:
+        asyncio.run(serve(cfg, reuse_port=args.worker_index is not None))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def make_bus(cfg: GatewayConfig) -> Any:
+    if not cfg.redis.url:
+        return None
+    from gateway.redis_bus import RedisBus
+
+    extra: dict[str, Any] = {}
+    if cfg.redis.tls_ca_file:
+        extra["ssl_ca_certs"] = cfg.redis.tls_ca_file
+    return RedisBus(cfg.redis.url, connect_timeout=cfg.redis.connect_timeout, **extra)
+
+
+async def serve(cfg: GatewayConfig, reuse_port: bool = False, stop: asyncio.Event | None = None) -> None:
+    """Run one gateway process until SIGTERM/SIGINT (or ``stop`` is set)."""
+    from aiohttp import web
+
+    from gateway.server import Gateway, build_app
+
+    gw = Gateway(cfg, bus=make_bus(cfg))
+    app = build_app(gw)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if cfg.log.access_log else None, shutdown_timeout=cfg.server.shutdown_grace)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_port=reuse_port or None, backlog=1024)
+    await site.start()
+    done = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, done.set)
+    print(f"kvroute gateway ready on http://{cfg.server.host}:{cfg.server.port} (pid {os.getpid()})", flush=True)
+    try:
+        await done.wait()
+    finally:
+        await runner.cleanup()
+
+
+def _supervise(cfg: GatewayConfig) -> int:
+    """Start ``server.workers`` replicas on the port; restart any that dies; stop on signal."""
+    metrics_dir = tempfile.mkdtemp(prefix="kvroute-metrics-")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    # the children get the same arguments minus --workers (and its value)
+    cleaned: list[str] = []
+    skip = False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a == "--workers":
+            skip = True
+            continue
+        if a.startswith("--workers="):
+            continue
+        cleaned.append(a)
+    argv = cleaned
+    if argv and argv[0] == "gateway":
+        argv = argv[1:]
+    base = [sys.executable, "-m", "gateway.cli", "gateway", *argv, "--set", f"server.workers={cfg.server.workers}"]
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    stopping = False
+
+    def start(i: int) -> None:
+        procs[i] = subprocess.Popen([*base, "--worker-index", str(i)], env=env)
+
+    def stop_all(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+
+    signal.signal(signal.SIGTERM, stop_all)
+    signal.signal(signal.SIGINT, stop_all)
+    for i in range(cfg.server.workers):
+        start(i)
+    try:
+        while not stopping:
+            for i, p in list(procs.items()):
+                if p.poll() is not None and not stopping:
+                    log.warning("gateway process %d exited with %s; restarting", i, p.returncode)
+                    time.sleep(0.5)
+                    start(i)
+            time.sleep(0.2)
+        deadline = time.monotonic() + cfg.server.shutdown_grace + 5
+        for p in procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if p.poll() is None:
+                p.kill()
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 0

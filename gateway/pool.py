@@ -1,0 +1,100 @@
+"""A pool: one served model with its tokenizer, canonical block keys and router.
+
+``prepare`` turns a client request into what routing needs — the exact token ids the engine
+will see (chat template + tokenizer, with the incremental cache) and their canonical block
+keys — or a 4xx for input the engine would reject.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from gateway.config import PoolSettings
+from gateway.costmodel import CostModel
+from gateway.errors import bad_request
+from gateway.index import ShadowIndex
+from gateway.keys import BlockKeyer
+from gateway.policy import make_policy
+from gateway.requests import ClientRequest, too_long
+from gateway.router import Router
+from gateway.tokenization import TokenizationError, Tokenizer, normalize_messages
+
+__all__ = ["Pool", "Prepared"]
+
+
+@dataclass
+class Prepared:
+    prompt_tokens: int
+    keys: list[int]
+    tokenize_s: float
+    keys_s: float
+    #: body to forward when the gateway changed it (normalised messages), else None
+    body: bytes | None = None
+
+
+class Pool:
+    def __init__(
+        self,
+        settings: PoolSettings,
+        index: ShadowIndex,
+        hash_seed: str,
+        rng: random.Random | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.settings = settings
+        self.name = settings.model
+        self.tokenizer = tokenizer or Tokenizer.load(
+            settings.tokenizer,
+            settings.chat_template or None,
+            normalize=settings.normalize_prompts,
+        )
+        self.keyer = BlockKeyer(hash_seed, settings.block_size)
+        policy = make_policy(settings.policy, **settings.policy_params)
+        self.router = Router(
+            policy, settings.block_size, index=index, cost=CostModel(settings.cost), rng=rng
+        )
+
+    async def prepare(self, req: ClientRequest) -> Prepared:
+        t0 = time.perf_counter()
+        tok = self.tokenizer
+        body: bytes | None = None
+        try:
+            if req.kind == "chat":
+                assert req.messages is not None
+                messages = req.messages
+                if self.settings.normalize_prompts:
+                    messages = normalize_messages(messages)
+                    body = req.with_changes(messages=messages)
+                ids = await tok.aencode_chat(
+                    messages,
+                    tools=req.tools,
+                    add_generation_prompt=req.add_generation_prompt,
+                    **req.template_kwargs,
+                )
+            elif req.prompt_ids is not None:
+                ids = req.prompt_ids
+                vocab = tok.vocab_size
+                if max(ids) >= vocab:
+                    raise bad_request(
+                        f"token id {max(ids)} is out of vocabulary (size {vocab})",
+                        param="prompt",
+                        code="invalid_token_id",
+                    )
+            else:
+                assert req.prompt_text is not None
+                # vLLM completions and SGLang /generate both encode text with special tokens
+                ids = await tok.aencode(req.prompt_text, add_special_tokens=True)
+        except TokenizationError as exc:
+            raise bad_request(str(exc), param="messages" if req.kind == "chat" else "prompt", code="invalid_prompt") from None
+        except UnicodeError as exc:
+            raise bad_request(f"prompt is not valid text: {exc}", code="invalid_prompt") from None
+        t1 = time.perf_counter()
+        if not ids:
+            raise bad_request("the prompt is empty after tokenization", code="empty_prompt")
+        err = too_long(len(ids), req.max_tokens, self.settings.max_model_len)
+        if err is not None:
+            raise err
+        keys = self.keyer.keys(ids)
+        return Prepared(len(ids), keys, t1 - t0, time.perf_counter() - t1, body)

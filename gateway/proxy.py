@@ -1,0 +1,403 @@
+"""Upstream side of a request: route, send, retry before the first byte, stream back.
+
+* One pooled, keep-alive aiohttp session for all workers (per-host connection limits).
+* Retries go to another worker (the failed ones are excluded) with exponential backoff, on
+  connection errors, timeouts before the first body byte, and 429/502/503/504 — as long as
+  the client has received nothing: the client's response starts only with the upstream's
+  first body chunk, so everything before that is retryable.
+* SSE is passed through event by event; a stream that breaks afterwards ends with an
+  OpenAI-style error event, never a hang or a silent truncation.
+* ``usage`` is read on the way (the gateway asks for it on streams and strips the extra
+  chunk if the client did not) to count delivered cached tokens per worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.config import ProxySettings
+from gateway.errors import ApiError
+from gateway.metrics import GatewayMetrics
+from gateway.policy import Decision
+from gateway.pool import Pool, Prepared
+from gateway.registry import Registry
+from gateway.requests import ClientRequest
+from gateway.router import NoCandidates, Ticket
+
+__all__ = ["Proxy", "Usage", "parse_usage"]
+
+log = logging.getLogger(__name__)
+
+#: never forwarded in either direction (RFC 9110 hop-by-hop, plus what aiohttp recomputes)
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
+        "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "Content-Encoding",
+    )
+)  # fmt: skip
+#: client headers forwarded upstream (everything else is dropped: no spoofing, no credentials)
+FORWARD_REQUEST = frozenset(("accept", "user-agent", "x-request-id", "traceparent", "tracestate"))
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def parse_usage(obj: Any) -> Usage | None:
+    """Usage from an OpenAI body/chunk (``usage``) or an SGLang one (``meta_info``)."""
+    if isinstance(obj, list):  # SGLang batch
+        parts = [u for u in map(parse_usage, obj) if u is not None]
+        if not parts:
+            return None
+        return Usage(*(sum(getattr(u, f) for u in parts) for f in ("prompt_tokens", "cached_tokens", "completion_tokens")))
+    if not isinstance(obj, dict):
+        return None
+    u = obj.get("usage")
+    if isinstance(u, dict):
+        details = u.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return Usage(_int(u.get("prompt_tokens")), _int(cached), _int(u.get("completion_tokens")))
+    m = obj.get("meta_info")
+    if isinstance(m, dict):
+        return Usage(_int(m.get("prompt_tokens")), _int(m.get("cached_tokens")), _int(m.get("completion_tokens")))
+    return None
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+class _Retry(Exception):
+    """This attempt failed before the client saw a byte: try another worker."""
+
+    def __init__(self, cause: str, fatal: bool, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.fatal = fatal
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        registry: Registry,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.metrics = metrics
+        self.clock = clock
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=self.settings.connections_per_worker, keepalive_timeout=60
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout),
+            auto_decompress=False,
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Proxy.start() was not called"
+        return self._session
+
+    # -- one client request -----------------------------------------------------------------
+
+    async def forward(
+        self,
+        request: web.Request,
+        creq: ClientRequest,
+        pool: Pool,
+        prep: Prepared,
+        path: str,
+        session_key: str | None,
+    ) -> web.StreamResponse:
+        s = self.settings
+        inject_usage = creq.stream and creq.kind != "generate" and not creq.include_usage
+        body = prep.body or creq.raw
+        if inject_usage:
+            opts = dict(creq.body.get("stream_options") or {})
+            opts["include_usage"] = True
+            body = creq.with_changes(stream_options=opts) if prep.body is None else _set_usage(body, opts)
+        headers = self._upstream_headers(request)
+        tried: set[str] = set()
+        last: _Retry | None = None
+        for attempt in range(s.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(s.retry_backoff * 2 ** (attempt - 1))
+            now = self.clock()
+            exclude = self.registry.exclude(pool, now, tried)
+            try:
+                decision = pool.router.route(prep.keys, prep.prompt_tokens, now, session_key=session_key, exclude=exclude)
+            except NoCandidates:
+                break
+            try:
+                return await self._attempt(request, creq, pool, prep, path, body, headers, decision, inject_usage)
+            except _Retry as exc:
+                last = exc
+                tried.add(decision.worker)
+                self.metrics.retries.labels(pool.name, decision.worker, exc.cause).inc()
+                log.info("retrying request away from %s: %s", decision.worker, exc)
+        if last is not None:
+            raise ApiError(502, f"no worker could serve the request (last error: {last})", "upstream_error", code="upstream_failed", headers={"Retry-After": "1"})
+        raise ApiError(503, f"no healthy worker in pool {pool.name!r}", "service_unavailable", code="no_healthy_worker", headers={"Retry-After": "1"})
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        creq: ClientRequest,
+        pool: Pool,
+        prep: Prepared,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        decision: Decision,
+        inject_usage: bool,
+    ) -> web.StreamResponse:
+        wid = decision.worker
+        entry = self.registry.workers[wid]
+        router = pool.router
+        m = self.metrics
+        self.registry.on_send(wid)
+        ticket = router.started(decision, prep.prompt_tokens, self.clock())
+        m.inflight.labels(pool.name, wid).inc()
+        m.gateway_inflight.inc()
+        try:
+            try:
+                resp = await self.session.post(entry.url + path, data=body, headers=headers)
+            except aiohttp.ClientConnectorError as exc:
+                self.registry.on_failure(wid, self.clock(), fatal=True)
+                raise _Retry("connect", True, f"cannot connect to {wid}: {exc.strerror or exc}") from None
+            except (aiohttp.ClientError, OSError) as exc:
+                self.registry.on_failure(wid, self.clock(), fatal=False)
+                raise _Retry("send", False, f"{wid} failed before answering: {exc!r}") from None
+            async with resp:
+                if resp.status in self.settings.retry_statuses:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(resp.read(), self.settings.connect_timeout)
+                    if resp.status != 429:  # 429: busy, not broken
+                        self.registry.on_failure(wid, self.clock(), fatal=False)
+                    raise _Retry(f"http_{resp.status}", False, f"{wid} answered {resp.status}")
+                first = await self._first_chunk(resp, wid)
+                now = self.clock()
+                router.first_token(ticket, now)
+                m.ttft.labels(pool.name, wid).observe(now - ticket.sent_at)
+                m.requests.labels(pool.name, wid, decision.reason).inc()
+                m.prompt_tokens.labels(pool.name, wid).inc(prep.prompt_tokens)
+                m.matched_tokens.labels(pool.name, wid).inc(decision.matched_tokens)
+                if resp.status >= 400:
+                    return await self._error_response(resp, first, wid)
+                out = self._client_response(resp, decision, request)
+                if creq.stream:
+                    return await self._stream(request, resp, out, first, pool, wid, inject_usage)
+                data = first + await self._rest(resp, wid)
+                self._count_usage(pool, wid, _json(data))
+                self.registry.on_success(wid)
+                out.body = data
+                return out
+        finally:
+            router.finished(ticket, self.clock())
+            m.inflight.labels(pool.name, wid).dec()
+            m.gateway_inflight.dec()
+
+    async def _first_chunk(self, resp: aiohttp.ClientResponse, wid: str) -> bytes:
+        """The first body bytes, or a retry (the client has not been answered yet)."""
+        try:
+            first = await asyncio.wait_for(resp.content.readany(), self.settings.first_byte_timeout)
+        except TimeoutError:
+            self.registry.on_failure(wid, self.clock(), fatal=False)
+            raise _Retry("first_byte_timeout", False, f"{wid} sent nothing for {self.settings.first_byte_timeout:g}s") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            self.registry.on_failure(wid, self.clock(), fatal=False)
+            raise _Retry("broken", False, f"{wid} broke before the first byte: {exc!r}") from None
+        if not first and resp.status < 400 and not resp.content.at_eof():
+            raise _Retry("empty", False, f"{wid} closed the response without a body")
+        if not first and resp.status < 400:
+            self.registry.on_failure(wid, self.clock(), fatal=False)
+            raise _Retry("empty", False, f"{wid} closed the response without a body")
+        return first
+
+    async def _rest(self, resp: aiohttp.ClientResponse, wid: str) -> bytes:
+        chunks = []
+        while True:
+            try:
+                chunk = await asyncio.wait_for(resp.content.readany(), self.settings.idle_timeout)
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                self.registry.on_failure(wid, self.clock(), fatal=False)
+                raise ApiError(502, f"worker {wid} failed while answering: {exc!r}", "upstream_error", code="upstream_broken") from None
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+    async def _error_response(self, resp: aiohttp.ClientResponse, first: bytes, wid: str) -> web.Response:
+        data = first + await self._rest(resp, wid)
+        if resp.status < 500:
+            self.registry.on_success(wid)  # the worker is fine; the request was not
+            return web.Response(status=resp.status, body=data, content_type="application/json")
+        self.registry.on_failure(wid, self.clock(), fatal=False)
+        detail = data[:500].decode("utf-8", "replace")
+        raise ApiError(502, f"worker {wid} failed with {resp.status}: {detail}", "upstream_error", code="upstream_error")
+
+    def _client_response(self, resp: aiohttp.ClientResponse, decision: Decision, request: web.Request) -> web.StreamResponse | web.Response:
+        headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP and not k.lower().startswith("x-kvroute-")}
+        headers["x-kvroute-worker"] = decision.worker
+        headers["x-kvroute-matched-tokens"] = str(decision.matched_tokens)
+        headers["x-kvroute-reason"] = decision.reason
+        if decision.predicted_ttft_ms is not None:
+            headers["x-kvroute-predicted-ttft-ms"] = f"{decision.predicted_ttft_ms:.1f}"
+        headers["x-request-id"] = request["request_id"]
+        if resp.headers.get("content-type", "").startswith("text/event-stream"):
+            headers["cache-control"] = "no-cache"
+            return web.StreamResponse(status=resp.status, headers=headers)
+        return web.Response(status=resp.status, headers=headers)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        resp: aiohttp.ClientResponse,
+        out: web.StreamResponse,
+        first: bytes,
+        pool: Pool,
+        wid: str,
+        inject_usage: bool,
+    ) -> web.StreamResponse:
+        await out.prepare(request)
+        events = _SseFilter(strip_usage=inject_usage)
+        await out.write(events.feed(first))
+        while True:
+            try:
+                chunk = await asyncio.wait_for(resp.content.readany(), self.settings.idle_timeout)
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                self.registry.on_failure(wid, self.clock(), fatal=False)
+                self.metrics.stream_errors.labels(pool.name, wid).inc()
+                await _end_with_error(out, f"worker {wid} failed mid-stream: {exc!r}")
+                return out
+            if not chunk:
+                break
+            data = events.feed(chunk)
+            if data:
+                await out.write(data)
+        tail = events.flush()
+        if tail:
+            await out.write(tail)
+        if not events.done:
+            self.registry.on_failure(wid, self.clock(), fatal=False)
+            self.metrics.stream_errors.labels(pool.name, wid).inc()
+            await _end_with_error(out, f"worker {wid} closed the stream early")
+            return out
+        self._count_usage(pool, wid, events.usage)
+        self.registry.on_success(wid)
+        await out.write_eof()
+        return out
+
+    def _count_usage(self, pool: Pool, wid: str, obj: Any) -> None:
+        u = parse_usage(obj)
+        if u is None:
+            return
+        m = self.metrics
+        m.delivered_prompt.labels(pool.name, wid).inc(u.prompt_tokens)
+        m.delivered_cached.labels(pool.name, wid).inc(u.cached_tokens)
+        m.completion_tokens.labels(pool.name, wid).inc(u.completion_tokens)
+
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST}
+        headers["content-type"] = "application/json"
+        headers["x-request-id"] = request["request_id"]
+        if self.settings.upstream_api_key:
+            headers["authorization"] = f"Bearer {self.settings.upstream_api_key}"
+        return headers
+
+
+class _SseFilter:
+    """Splits an SSE byte stream into events; drops the injected usage chunk; keeps usage."""
+
+    def __init__(self, strip_usage: bool) -> None:
+        self.strip_usage = strip_usage
+        self.buf = b""
+        self.usage: Any = None
+        self.done = False
+        self.last_data: bytes | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        self.buf += chunk
+        if b"\n\n" not in self.buf:
+            return b""
+        head, _, self.buf = self.buf.rpartition(b"\n\n")
+        out = []
+        for event in head.split(b"\n\n"):
+            if self._keep(event):
+                out.append(event)
+        return b"\n\n".join(out) + b"\n\n" if out else b""
+
+    def flush(self) -> bytes:
+        rest, self.buf = self.buf, b""
+        if rest.strip() and self._keep(rest.rstrip(b"\n")):
+            return rest
+        return b""
+
+    def _keep(self, event: bytes) -> bool:
+        data = event[5:].strip() if event.startswith(b"data:") else None
+        if data is None:
+            return True
+        if data == b"[DONE]":
+            self.done = True
+            if self.usage is None and self.last_data is not None:
+                self.usage = _json(self.last_data)  # SGLang: meta_info in the last event
+            return True
+        if b'"usage":' in data and (b'"usage":{' in data or b'"usage": {' in data):
+            obj = _json(data)
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = obj
+                if self.strip_usage and not obj.get("choices"):
+                    return False
+        elif b'"meta_info"' in data:
+            self.last_data = data
+        return True
+
+
+async def _end_with_error(out: web.StreamResponse, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "upstream_error", "param": None, "code": "stream_broken"}})
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await out.write(f"data: {body}\n\ndata: [DONE]\n\n".encode())
+        await out.write_eof()
+
+
+def _json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _set_usage(body: bytes, opts: dict[str, Any]) -> bytes:
+    obj = json.loads(body)
+    obj["stream_options"] = opts
+    return json.dumps(obj, ensure_ascii=False).encode()
+
+
+def new_request_id() -> str:
+    return f"kvr-{uuid.uuid4().hex}"

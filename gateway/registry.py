@@ -1,0 +1,216 @@
+"""Worker registry: which workers exist, which pool each serves, and whether it is healthy.
+
+Workers come from the agents' registrations on the event bus (via the consumer) and from
+the pools' optional static lists. A registration is accepted only if its URL is an http(s)
+URL whose host is in the configured allow-list (when one is set): a bad entry in Redis must
+not be able to point the gateway at an arbitrary address. Upstream URLs come only from here,
+never from a client request.
+
+Health is a circuit breaker per worker (passive: request outcomes) plus, for static workers,
+an active probe result. Only unhealthy workers are looked at per request, so computing a
+pool's exclusions costs nothing in the normal case.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from gateway.bus import WorkerInfo
+from gateway.circuit import Circuit, CircuitState
+from gateway.config import CircuitSettings
+from gateway.pool import Pool
+
+__all__ = ["Registry", "WorkerEntry", "check_upstream_url"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerEntry:
+    worker_id: str
+    url: str
+    pool: Pool
+    circuit: Circuit
+    static: bool = False
+    probe_ok: bool = True  # static workers: result of the last active health probe
+    info: WorkerInfo | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def check_upstream_url(url: str, allowed: list[str]) -> str | None:
+    """Why ``url`` may not be used as an upstream (None: it may)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "not a URL"
+    if parts.scheme not in ("http", "https"):
+        return f"scheme {parts.scheme!r} is not http or https"
+    host = parts.hostname
+    if not host:
+        return "no host"
+    if parts.username or parts.password:
+        return "credentials in the URL"
+    if parts.query or parts.fragment:
+        return "a query or fragment in the URL"
+    if not allowed:
+        return None
+    try:
+        addr: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        addr = None
+    for rule in allowed:
+        if addr is not None and "/" in rule:
+            try:
+                if addr in ipaddress.ip_network(rule, strict=False):
+                    return None
+            except ValueError:
+                continue
+        elif rule.startswith("*.") and host.endswith(rule[1:]):
+            return None
+        elif host == rule:
+            return None
+    return f"host {host!r} is not in security.allowed_upstreams"
+
+
+class Registry:
+    def __init__(
+        self, pools: list[Pool], circuit: CircuitSettings, allowed_upstreams: list[str]
+    ) -> None:
+        self.pools = pools
+        self._by_model: dict[str, Pool] = {}
+        for p in pools:
+            for name in [p.settings.model, *p.settings.aliases]:
+                self._by_model[name] = p
+        self.circuit_settings = circuit
+        self.allowed = allowed_upstreams
+        self.workers: dict[str, WorkerEntry] = {}
+        self._unhealthy: set[str] = set()  # workers whose circuit is not closed or probe failed
+        self.rejected: dict[str, str] = {}  # registrations refused, and why
+
+    # -- pools ------------------------------------------------------------------------------
+
+    def pool_for(self, model: str | None) -> Pool | None:
+        if model is None:
+            return self.pools[0] if len(self.pools) == 1 else None
+        return self._by_model.get(model)
+
+    def models(self) -> list[str]:
+        return list(self._by_model)
+
+    # -- membership -------------------------------------------------------------------------
+
+    def add_static(self) -> None:
+        for pool in self.pools:
+            for i, sw in enumerate(pool.settings.static_workers):
+                wid = sw.worker_id or f"{pool.name}-static-{i}"
+                self._add(wid, sw.url, pool, static=True)
+
+    def sync(self, infos: dict[str, WorkerInfo]) -> tuple[list[str], list[str]]:
+        """Make the registered (non-static) workers equal ``infos``; returns (added, removed)."""
+        added, removed = [], []
+        for wid in [w for w, e in self.workers.items() if not e.static and w not in infos]:
+            self._remove(wid)
+            removed.append(wid)
+        for wid, info in infos.items():
+            entry = self.workers.get(wid)
+            if entry is not None and entry.static:
+                continue
+            pool = self._pool_of(info)
+            if pool is None:
+                self.rejected[wid] = f"serves model {info.model!r}, which no pool serves"
+                continue
+            why = check_upstream_url(info.url, self.allowed)
+            if why is not None:
+                if self.rejected.get(wid) != why:
+                    log.warning("ignoring registration of %s (%s): %s", wid, info.url, why)
+                self.rejected[wid] = why
+                if entry is not None:
+                    self._remove(wid)
+                    removed.append(wid)
+                continue
+            self.rejected.pop(wid, None)
+            if entry is not None and (entry.url != info.url or entry.pool is not pool):
+                self._remove(wid)
+                removed.append(wid)
+                entry = None
+            if entry is None:
+                self._add(wid, info.url, pool, info=info)
+                added.append(wid)
+            else:
+                entry.info = info
+        return added, removed
+
+    def _pool_of(self, info: WorkerInfo) -> Pool | None:
+        return self._by_model.get(info.pool) or self._by_model.get(info.model)
+
+    def _add(self, wid: str, url: str, pool: Pool, static: bool = False, info: WorkerInfo | None = None) -> None:
+        c = self.circuit_settings
+        self.workers[wid] = WorkerEntry(
+            wid,
+            url.rstrip("/"),
+            pool,
+            Circuit(c.failure_threshold, c.open_seconds),
+            static=static,
+            info=info,
+            labels=dict(info.labels) if info else {},
+        )
+        pool.router.add_worker(wid)
+
+    def _remove(self, wid: str) -> None:
+        entry = self.workers.pop(wid, None)
+        if entry is not None:
+            entry.pool.router.remove_worker(wid)
+        self._unhealthy.discard(wid)
+
+    # -- health -----------------------------------------------------------------------------
+
+    def exclude(self, pool: Pool, now: float, also: Iterable[str] = ()) -> frozenset[str]:
+        """Workers of ``pool`` not to route to now (open circuits, failed probes) + ``also``."""
+        out = set(also)
+        for wid in self._unhealthy:
+            e = self.workers.get(wid)
+            if e is None or e.pool is not pool:
+                continue
+            if not e.probe_ok or not e.circuit.allows(now):
+                out.add(wid)
+        return frozenset(out)
+
+    def on_send(self, wid: str) -> None:
+        e = self.workers.get(wid)
+        if e is not None:
+            e.circuit.on_send()
+
+    def on_success(self, wid: str) -> None:
+        e = self.workers.get(wid)
+        if e is not None and e.circuit.state is not CircuitState.CLOSED:
+            e.circuit.on_success()
+            self._refresh(wid, e)
+        elif e is not None:
+            e.circuit.failures = 0
+
+    def on_failure(self, wid: str, now: float, fatal: bool) -> None:
+        e = self.workers.get(wid)
+        if e is None:
+            return
+        e.circuit.on_failure(now, fatal and self.circuit_settings.open_on_connect_error)
+        self._refresh(wid, e)
+
+    def set_probe(self, wid: str, ok: bool) -> None:
+        e = self.workers.get(wid)
+        if e is not None:
+            e.probe_ok = ok
+            self._refresh(wid, e)
+
+    def healthy(self, wid: str, now: float) -> bool:
+        e = self.workers.get(wid)
+        return e is not None and e.probe_ok and e.circuit.allows(now)
+
+    def _refresh(self, wid: str, e: WorkerEntry) -> None:
+        if e.probe_ok and e.circuit.state is CircuitState.CLOSED:
+            self._unhealthy.discard(wid)
+        else:
+            self._unhealthy.add(wid)

@@ -1,0 +1,436 @@
+"""The gateway's HTTP service (aiohttp): OpenAI-compatible API, health, metrics, admin.
+
+Request path: read the body (413 over the limit) -> parse and validate (4xx) -> pick the
+pool by model (404) -> authenticate and rate-limit -> tokenize exactly as the engine will
+and compute block keys -> wait for a concurrency slot (429/408) -> route + proxy with
+retries (``Proxy``). Every error is OpenAI-shaped JSON; bad input never yields a 5xx.
+
+Background: the event-bus consumer keeps the shadow index and the registry current and
+feeds engine load reports to the routers; a 100 ms tick expires speculation and updates
+gauges; a 1 s probe of every worker's ``/health`` catches dead workers without traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.bus import EventBus
+from gateway.circuit import CircuitState
+from gateway.config import ApiKey, GatewayConfig
+from gateway.consumer import Consumer
+from gateway.errors import ApiError, error_body
+from gateway.index import ShadowIndex
+from gateway.limits import Admission, TokenBucket
+from gateway.metrics import GatewayMetrics
+from gateway.pool import Pool
+from gateway.proxy import Proxy, new_request_id
+from gateway.registry import Registry
+from gateway.requests import ClientRequest, Kind, parse_body
+from gateway.tokenization import Tokenizer
+
+__all__ = ["Gateway", "build_app"]
+
+log = logging.getLogger("kvroute.gateway")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class _Client:
+    """An authenticated API key and its rate limits."""
+
+    key: ApiKey
+    requests: TokenBucket
+    tokens: TokenBucket
+
+
+@dataclass
+class Gateway:
+    """Everything one gateway process (one replica) holds."""
+
+    config: GatewayConfig
+    bus: EventBus | None = None
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    tokenizers: dict[str, Tokenizer] = field(default_factory=dict)
+    rng: random.Random | None = None
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        cfg.validate()
+        self.index = ShadowIndex(speculative_ttl=cfg.index.speculative_ttl)
+        self.pools = [
+            Pool(p, self.index, cfg.index.hash_seed, rng=self.rng, tokenizer=self.tokenizers.get(p.model))
+            for p in cfg.pools
+        ]
+        self.registry = Registry(self.pools, cfg.circuit, cfg.security.allowed_upstreams)
+        self.registry.add_static()
+        self.proxy = Proxy(cfg.proxy, self.registry, self.metrics)
+        self.admission = Admission(cfg.limits.max_concurrency, cfg.limits.queue_size, cfg.limits.queue_timeout)
+        self.consumer = Consumer(self.bus, self.index) if self.bus is not None else None
+        self._clients = {
+            k.key: _Client(k, TokenBucket(k.requests_per_s, 2 * k.requests_per_s), TokenBucket(k.tokens_per_s, 2 * k.tokens_per_s))
+            for k in cfg.auth.api_keys
+        }
+        self._tasks: list[asyncio.Task[None]] = []
+        self._probe_session: aiohttp.ClientSession | None = None
+        self.clock = time.monotonic
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.proxy.start()
+        self._probe_session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0))
+        if self.consumer is not None:
+            self.consumer.subscribe(self._on_bus_change)
+            await self.consumer.start()
+        self._tasks = [
+            asyncio.create_task(self._tick_loop(), name="gateway-tick"),
+            asyncio.create_task(self._probe_loop(), name="gateway-probe"),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self.consumer is not None:
+            await self.consumer.stop()
+        if self.bus is not None:
+            await self.bus.close()
+        await self.proxy.close()
+        if self._probe_session is not None:
+            await self._probe_session.close()
+
+    def ready(self) -> tuple[bool, str]:
+        if self.consumer is not None and not self.consumer._synced.is_set():
+            return False, "index not bootstrapped yet"
+        now = self.clock()
+        if not any(self.registry.healthy(w, now) for w in self.registry.workers):
+            return False, "no healthy worker"
+        return True, "ready"
+
+    # -- background -------------------------------------------------------------------------
+
+    def _on_bus_change(self, kind: str, worker: str) -> None:
+        assert self.consumer is not None
+        if kind == "report":
+            rep = self.consumer.report(worker)
+            entry = self.registry.workers.get(worker)
+            if rep is not None and entry is not None:
+                entry.pool.router.loads.report(worker, rep, self.clock())
+            return
+        added, removed = self.registry.sync(self.consumer.workers())
+        for w in removed:
+            self._forget_worker_metrics(w)
+        if added or removed:
+            log.info("workers added %s removed %s", added, removed)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            now = self.clock()
+            for p in self.pools:
+                p.router.tick(now)
+            self._update_gauges(now)
+            await asyncio.sleep(0.1)
+
+    async def _probe_loop(self) -> None:
+        while True:
+            entries = list(self.registry.workers.values())
+            results = await asyncio.gather(*(self._probe(e.url) for e in entries))
+            for e, ok in zip(entries, results, strict=True):
+                self.registry.set_probe(e.worker_id, ok)
+            await asyncio.sleep(1.0)
+
+    async def _probe(self, url: str) -> bool:
+        assert self._probe_session is not None
+        try:
+            async with self._probe_session.get(url + "/health") as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    def _update_gauges(self, now: float) -> None:
+        m = self.metrics
+        counts = self.index.block_counts()
+        for wid, e in self.registry.workers.items():
+            pool = e.pool.name
+            m.circuit.labels(pool, wid).set(_circuit_value(e.circuit.state))
+            m.healthy.labels(pool, wid).set(1 if self.registry.healthy(wid, now) else 0)
+            m.index_blocks.labels(pool, wid).set(counts.get(wid, 0))
+            rep = e.pool.router.loads.last_report(wid)
+            m.kv_usage.labels(pool, wid).set(rep.kv_usage if rep else 0.0)
+        for p in self.pools:
+            m.cost_scale.labels(p.name).set(p.router.ctx.cost.scale)
+            st = p.tokenizer.stats
+            total = st.token_hits + st.token_misses
+            if total:
+                m.tokenizer_cache_hits.labels(p.name).set(st.token_hits / total)
+        m.queued.set(self.admission.queued)
+        st_i = self.index.stats
+        m.orphans.set(st_i.orphan_stores)
+        if self.consumer is not None:
+            cs = self.consumer.stats
+            m.redis_up.set(1 if cs.connected else 0)
+            m.event_lag.set(cs.lag_last_s)
+            m.resyncs.set(cs.resyncs)
+            m.gaps.set(getattr(cs.apply, "gaps", 0))
+
+    def _forget_worker_metrics(self, wid: str) -> None:
+        m = self.metrics
+        for gauge in (m.circuit, m.healthy, m.index_blocks, m.kv_usage):
+            for labels in list(gauge._metrics):  # the registry keeps label sets forever otherwise
+                if len(labels) > 1 and labels[1] == wid:
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(*labels)
+
+    # -- authentication and limits ----------------------------------------------------------
+
+    def authenticate(self, request: web.Request) -> _Client | None:
+        if not self._clients:
+            return None
+        token = _bearer(request)
+        for key, client in self._clients.items():
+            if token is not None and hmac.compare_digest(token.encode(), key.encode()):
+                return client
+        raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error", code="invalid_api_key")
+
+    def authorize_admin(self, request: web.Request) -> None:
+        key = self.config.auth.admin_key
+        if not key:
+            raise ApiError(404, "admin endpoints are disabled (auth.admin_key is not set)", code="not_found")
+        token = _bearer(request)
+        if token is None or not hmac.compare_digest(token.encode(), key.encode()):
+            raise ApiError(401, "invalid or missing admin key", "authentication_error", code="invalid_admin_key")
+
+    def rate_limit(self, client: _Client | None, tokens: int) -> None:
+        if client is None:
+            return
+        now = self.clock()
+        for bucket, amount, what in ((client.requests, 1.0, "requests"), (client.tokens, float(tokens), "tokens")):
+            wait = bucket.take(amount, now)
+            if wait > 0:
+                self.metrics.rejected.labels("rate_limit").inc()
+                raise ApiError(
+                    429,
+                    f"rate limit exceeded for {what} on this API key; retry in {wait:.1f}s",
+                    "rate_limit_error",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": str(max(1, round(wait)))},
+                )
+
+    # -- handlers ---------------------------------------------------------------------------
+
+    async def generation(self, request: web.Request, kind: Kind, path: str) -> web.StreamResponse:
+        client = self.authenticate(request)
+        raw = await request.read()
+        creq = parse_body(raw, kind)
+        pool = self.registry.pool_for(creq.model)
+        if pool is None:
+            if creq.model is None:
+                raise ApiError(400, "'model' is required (this gateway serves several models)", param="model", code="missing_field")
+            raise ApiError(404, f"The model `{creq.model}` does not exist.", "NotFoundError", param="model", code="model_not_found")
+        request["pool"] = pool.name
+        prep = await pool.prepare(creq)
+        m = self.metrics
+        m.tokenize.labels(pool.name, kind).observe(prep.tokenize_s + prep.keys_s)
+        self.rate_limit(client, prep.prompt_tokens + (creq.max_tokens or 0))
+        if self.config.log.log_prompts:
+            log.info("request %s pool=%s prompt=%r", request["request_id"], pool.name, creq.messages or creq.prompt_text)
+        priority = client.key.priority if client else 0
+        try:
+            await self.admission.acquire(priority)
+        except ApiError as exc:
+            m.rejected.labels(exc.code or "admission").inc()
+            raise
+        try:
+            return await self.proxy.forward(request, creq, pool, prep, path, self._session_key(request, creq))
+        finally:
+            self.admission.release()
+
+    def _session_key(self, request: web.Request, creq: ClientRequest) -> str | None:
+        return request.headers.get(self.config.session_header) or creq.user
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.generation(request, "chat", "/v1/chat/completions")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generation(request, "completion", "/v1/completions")
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self.generation(request, "generate", "/generate")
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.authenticate(request)
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvroute"} for name in self.registry.models()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readiness(self, request: web.Request) -> web.Response:
+        ok, why = self.ready()
+        return web.json_response({"status": "ready" if ok else "not ready", "detail": why}, status=200 if ok else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        self._update_gauges(self.clock())
+        return web.Response(body=self.metrics.exposition(), content_type="text/plain", charset="utf-8")
+
+    async def debug_route(self, request: web.Request) -> web.Response:
+        """Dry-run a request: the routing decision with its full explanation."""
+        self.authorize_admin(request)
+        raw = await request.read()
+        peek = _peek_kind(raw)
+        creq = parse_body(raw, peek)
+        pool = self.registry.pool_for(creq.model)
+        if pool is None:
+            raise ApiError(404, f"The model `{creq.model}` does not exist.", "NotFoundError", param="model", code="model_not_found")
+        prep = await pool.prepare(creq)
+        now = self.clock()
+        excluded = self.registry.exclude(pool, now)
+        t0 = time.perf_counter()
+        d = pool.router.route(prep.keys, prep.prompt_tokens, now, session_key=self._session_key(request, creq), exclude=excluded, dry_run=True, explain=True)
+        decision_us = (time.perf_counter() - t0) * 1e6
+        return web.json_response(
+            {
+                "model": pool.name,
+                "policy": d.policy,
+                "prompt_tokens": prep.prompt_tokens,
+                "blocks": len(prep.keys),
+                "block_size": pool.settings.block_size,
+                "worker": d.worker,
+                "reason": d.reason,
+                "matched_tokens": d.matched_tokens,
+                "predicted_ttft_ms": d.predicted_ttft_ms,
+                "excluded": sorted(excluded),
+                "decision_us": round(decision_us, 1),
+                "candidates": sorted(
+                    (
+                        {"worker": c.worker, "matched_tokens": c.matched_tokens, "predicted_ttft_ms": c.predicted_ttft_ms, "score": c.score}
+                        for c in d.candidates
+                    ),
+                    key=lambda c: (c["score"] is None, c["score"] or 0.0, c["worker"]),
+                ),
+            }
+        )
+
+    async def workers(self, request: web.Request) -> web.Response:
+        self.authorize_admin(request)
+        now = self.clock()
+        counts = self.index.block_counts()
+        out = []
+        for wid, e in sorted(self.registry.workers.items()):
+            loads = e.pool.router.loads
+            v = loads.view(wid)
+            rep = loads.last_report(wid)
+            out.append(
+                {
+                    "worker_id": wid,
+                    "url": e.url,
+                    "pool": e.pool.name,
+                    "static": e.static,
+                    "healthy": self.registry.healthy(wid, now),
+                    "probe_ok": e.probe_ok,
+                    "circuit": e.circuit.state.name.lower(),
+                    "inflight": loads.inflight(wid),
+                    "load": {"queued_prefill_tokens": v.queued_prefill_tokens, "running": v.running, "kv_usage": v.kv_usage},
+                    "engine_report": None if rep is None else {"running": rep.running, "waiting": rep.waiting, "kv_usage": rep.kv_usage, "ts": rep.ts},
+                    "index_blocks": counts.get(wid, 0),
+                    "engine": e.info.engine if e.info else None,
+                    "epoch": e.info.epoch if e.info else None,
+                    "labels": e.labels,
+                }
+            )
+        return web.json_response({"workers": out, "rejected_registrations": self.registry.rejected})
+
+
+def _circuit_value(state: CircuitState) -> int:
+    return {CircuitState.CLOSED: 0, CircuitState.HALF_OPEN: 1, CircuitState.OPEN: 2}[state]
+
+
+def _bearer(request: web.Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return None
+
+
+def _peek_kind(raw: bytes) -> Kind:
+    if b'"messages"' in raw:
+        return "chat"
+    if b'"input_ids"' in raw or b'"text"' in raw and b'"prompt"' not in raw:
+        return "generate"
+    return "completion"
+
+
+# -- application --------------------------------------------------------------------------------
+
+
+def build_app(gw: Gateway) -> web.Application:
+    app = web.Application(
+        client_max_size=gw.config.server.max_body_bytes,
+        middlewares=[_middleware(gw)],
+        handler_args={"max_field_size": 16384},
+    )
+    app.router.add_post("/v1/chat/completions", gw.chat)
+    app.router.add_post("/v1/completions", gw.completions)
+    app.router.add_post("/generate", gw.generate)
+    app.router.add_get("/v1/models", gw.models)
+    app.router.add_get("/health", gw.health)
+    app.router.add_get("/ready", gw.readiness)
+    app.router.add_get("/metrics", gw.metrics_endpoint)
+    app.router.add_post("/debug/route", gw.debug_route)
+    app.router.add_get("/workers", gw.workers)
+
+    async def on_startup(_: web.Application) -> None:
+        await gw.start()
+
+    async def on_cleanup(_: web.Application) -> None:
+        await gw.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app["gateway"] = gw
+    return app
+
+
+def _middleware(gw: Gateway) -> Any:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        rid = request.headers.get("x-request-id", "")
+        request["request_id"] = rid if _REQUEST_ID.match(rid) else new_request_id()
+        request["pool"] = ""
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            gw.metrics.errors.labels(request["pool"], str(exc.status), exc.code or "").inc()
+            headers = {"x-request-id": request["request_id"], **(exc.headers or {})}
+            return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status, "http_error")
+            msg = exc.reason if exc.status != 413 else f"request body is larger than {gw.config.server.max_body_bytes} bytes"
+            gw.metrics.errors.labels(request["pool"], str(exc.status), code).inc()
+            return web.Response(status=exc.status, body=error_body(msg, "invalid_request_error", None, code), content_type="application/json", headers={"x-request-id": request["request_id"]})
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("internal error on %s %s", request.method, request.path)
+            gw.metrics.errors.labels(request["pool"], "500", "internal_error").inc()
+            return web.Response(status=500, body=error_body("internal gateway error", "internal_error", None, "internal_error"), content_type="application/json")
+
+    return middleware

@@ -1,0 +1,249 @@
+"""``kvroute bench tokenize``: the incremental tokenization cache on an 8,000-token chat (P4).
+
+A deterministic multi-turn conversation (pseudo-English from a seeded word list, a long system
+prompt, alternating user and assistant turns) is rendered with a bundled chat template and
+tokenized by the bundled DeepSeek-V3 tokenizer three ways, each the median over repeats:
+
+* ``cold``: ``encode_chat`` with an empty cache (every piece encoded);
+* ``followup``: the next request of the same conversation (the assistant's reply and a new user
+  turn appended) after the previous request warmed the cache;
+* ``full``: render, then one plain ``encode`` of the whole text, the no-cache baseline.
+
+One long-lived tokenizer is used, as in a gateway, and only its piece cache is cleared before
+each cold measurement (HF tokenizers' own BPE word cache stays warm, as it does in service).
+Both CPU time (all threads of the process: the cost a loaded 2-core gateway pays) and wall time
+are reported; ``tokenize_followup_ratio`` is followup / cold in CPU time, since P4 bounds the
+cost of a follow-up turn and ``encode_batch`` spreads a cold chat over both cores. Every
+measured result is checked against the plain encode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gateway.tokenization import Tokenizer, bundled_test_tokenizer
+
+NAME = "tokenize"
+HELP = "incremental chat tokenization: follow-up turn vs cold on an 8,000-token conversation (P4)"
+
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "with",
+    "was",
+    "on",
+    "be",
+    "by",
+    "this",
+    "are",
+    "from",
+    "at",
+    "or",
+    "an",
+    "have",
+    "not",
+    "but",
+    "which",
+    "they",
+    "we",
+    "you",
+    "all",
+    "can",
+    "more",
+    "has",
+    "will",
+    "one",
+    "were",
+    "there",
+    "their",
+    "been",
+    "if",
+    "would",
+    "so",
+    "what",
+    "about",
+    "when",
+    "up",
+    "out",
+    "them",
+    "do",
+    "into",
+    "some",
+    "could",
+    "than",
+    "then",
+    "other",
+    "its",
+    "only",
+    "two",
+    "also",
+    "time",
+    "like",
+    "new",
+    "may",
+    "any",
+    "these",
+    "over",
+    "cache",
+    "request",
+    "worker",
+    "prefix",
+    "token",
+    "latency",
+    "memory",
+    "routing",
+    "model",
+    "gateway",
+    "cluster",
+    "queue",
+    "throughput",
+    "replica",
+    "stream",
+    "index",
+    "block",
+    "engine",
+    "prompt",
+    "system",
+    "user",
+    "answer",
+    "question",
+    "because",
+    "should",
+    "before",
+    "after",
+    "while",
+    "where",
+    "first",
+    "second",
+    "every",
+    "many",
+    "most",
+    "such",
+    "each",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokens", type=int, default=8_000, help="conversation size in tokens")
+    parser.add_argument("--repeats", type=int, default=15, help="measurements per figure")
+    parser.add_argument("--template", default="deepseek-v3", help="bundled chat template")
+    parser.add_argument("--reply-words", type=int, default=200, help="assistant reply length")
+    parser.add_argument("--user-words", type=int, default=60, help="follow-up user turn length")
+    parser.add_argument("--seed", type=int, default=7)
+
+
+def _paragraph(rng: random.Random, words: int) -> str:
+    sentences, left = [], words
+    while left > 0:
+        n = min(left, rng.randint(8, 22))
+        left -= n
+        sentence = " ".join(rng.choice(WORDS) for _ in range(n))
+        sentences.append(sentence.capitalize() + rng.choice(".?!."))
+    return " ".join(sentences)
+
+
+def conversation(
+    tok: Tokenizer, tokens: int, seed: int, reply_words: int, user_words: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(a conversation of about ``tokens`` tokens, its next request: the reply and a new turn)."""
+    rng = random.Random(seed)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": _paragraph(rng, 400)}]
+    while len(tok.encode_chat(messages)) < tokens:
+        messages.append({"role": "user", "content": _paragraph(rng, rng.randint(40, 200))})
+        messages.append({"role": "assistant", "content": _paragraph(rng, rng.randint(80, 320))})
+    messages.append({"role": "user", "content": _paragraph(rng, user_words)})
+    followup = [
+        *messages,
+        {"role": "assistant", "content": _paragraph(rng, reply_words)},
+        {"role": "user", "content": _paragraph(rng, user_words)},
+    ]
+    return messages, followup
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """(CPU seconds of the whole process, wall seconds, result) of one call."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = fn()
+    return time.process_time() - cpu, time.perf_counter() - wall, result
+
+
+def _median_ms(samples: list[float]) -> float:
+    return round(statistics.median(samples) * 1e3, 3)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    path = bundled_test_tokenizer()
+    probe = Tokenizer.load(path, args.template)
+    messages, followup = conversation(
+        probe, args.tokens, args.seed, args.reply_words, args.user_words
+    )
+    expected = probe.encode(probe.render_chat(messages), add_special_tokens=False)
+    expected_next = probe.encode(probe.render_chat(followup), add_special_tokens=False)
+
+    cold: dict[str, list[float]] = {"cpu": [], "wall": []}
+    warm: dict[str, list[float]] = {"cpu": [], "wall": []}
+    full: dict[str, list[float]] = {"cpu": [], "wall": []}
+    tok = Tokenizer.load(path, args.template)
+    ok = True
+    for _ in range(args.repeats):
+        tok.clear_cache()
+        cpu, wall, ids = _timed(lambda: tok.encode_chat(messages))
+        cold["cpu"].append(cpu)
+        cold["wall"].append(wall)
+        ok &= ids == expected
+        cpu, wall, ids = _timed(lambda: tok.encode_chat(followup))
+        warm["cpu"].append(cpu)
+        warm["wall"].append(wall)
+        ok &= ids == expected_next
+        cpu, wall, ids = _timed(
+            lambda: probe.encode(probe.render_chat(messages), add_special_tokens=False)
+        )
+        full["cpu"].append(cpu)
+        full["wall"].append(wall)
+        ok &= ids == expected
+
+    stats = tok.stats
+    cold_cpu, warm_cpu, full_cpu = (_median_ms(x["cpu"]) for x in (cold, warm, full))
+    cold_wall, warm_wall, full_wall = (_median_ms(x["wall"]) for x in (cold, warm, full))
+    new_tokens = len(expected_next) - len(expected)
+    result: dict[str, Any] = {
+        "benchmark": NAME,
+        "template": args.template,
+        "tokenizer": probe.name,
+        "conversation_tokens": len(expected),
+        "followup_tokens": len(expected_next),
+        "followup_new_tokens": new_tokens,
+        "messages": len(messages),
+        "repeats": args.repeats,
+        "cold_cpu_ms": cold_cpu,
+        "followup_cpu_ms": warm_cpu,
+        "full_cpu_ms": full_cpu,
+        "cold_wall_ms": cold_wall,
+        "followup_wall_ms": warm_wall,
+        "full_wall_ms": full_wall,
+        "tokenize_followup_ratio": round(warm_cpu / cold_cpu, 4),
+        "tokenize_followup_ratio_wall": round(warm_wall / cold_wall, 4),
+        "followup_vs_full_ratio": round(warm_wall / full_wall, 4),
+        "incremental": stats.incremental,
+        "ids_identical": ok,
+        "ok": ok and stats.incremental,
+    }
+    result["table"] = [
+        {"measure": "cold encode_chat (empty cache)", "cpu_ms": cold_cpu, "wall_ms": cold_wall},
+        {"measure": "follow-up turn (warm cache)", "cpu_ms": warm_cpu, "wall_ms": warm_wall},
+        {"measure": "full render + encode", "cpu_ms": full_cpu, "wall_ms": full_wall},
+    ]
+    return result

@@ -1,0 +1,518 @@
+"""The HTTP API of a simulated worker (aiohttp): OpenAI endpoints plus each engine's own.
+
+Both flavors: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not, ``usage``
+with ``prompt_tokens_details.cached_tokens``), ``/v1/models``, ``/health``, ``/ping``,
+``/version``, ``/metrics``, ``/tokenize``, ``/detokenize``, and the simulator's
+``/sim/state`` and ``POST /sim/fault``. vLLM adds ``/reset_prefix_cache``,
+``/kv_event_sources`` and ``/load``; SGLang adds ``/generate``, ``/server_info``,
+``/model_info`` (and their ``/get_*`` aliases), ``/health_generate``, ``/flush_cache``,
+``/get_load`` and ``/v1/loads``.
+
+Every error is a 4xx with an OpenAI-style body; a bug is a logged 500, never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from loadtest.enginesim.api import (
+    ApiError,
+    GenRequest,
+    check_prompt,
+    decode_body,
+    error_body,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+)
+from loadtest.enginesim.metrics import CONTENT_TYPE
+from loadtest.enginesim.scheduler import RequestTooLarge
+
+if TYPE_CHECKING:
+    from loadtest.enginesim.worker import Generation, SimWorker
+
+__all__ = ["ENGINE_VERSIONS", "build_app"]
+
+log = logging.getLogger(__name__)
+
+ENGINE_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23"}
+_DONE = b"data: [DONE]\n\n"
+_HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
+_FLUSH_BUSY = (
+    "Cache not flushed. There are running or waiting requests. Please check backend logs "
+    "for more details. (When there are running or waiting requests, the operation will not "
+    "be performed.)\n"
+)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(worker: SimWorker) -> web.Application:
+    """The aiohttp application of one worker (a new one per start: apps are single-use)."""
+    app = web.Application(client_max_size=worker.config.max_body_bytes, middlewares=[_errors])
+    h = _Handlers(worker)
+    r = app.router
+    r.add_post("/v1/completions", h.completions)
+    r.add_post("/v1/chat/completions", h.chat)
+    r.add_get("/v1/models", h.models_list)
+    for path in ("/health", "/ping"):
+        r.add_get(path, h.health)
+    r.add_post("/ping", h.health)
+    r.add_get("/version", h.version)
+    r.add_get("/metrics", h.metrics)
+    r.add_post("/tokenize", h.tokenize)
+    r.add_post("/detokenize", h.detokenize)
+    r.add_get("/sim/state", h.sim_state)
+    r.add_post("/sim/fault", h.sim_fault)
+    if worker.config.flavor == "vllm":
+        r.add_post("/reset_prefix_cache", h.reset_prefix_cache)
+        r.add_get("/kv_event_sources", h.kv_event_sources)
+        r.add_get("/load", h.load)
+    else:
+        r.add_post("/generate", h.generate)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, h.server_info)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, h.model_info)
+        r.add_get("/health_generate", h.health_generate)
+        r.add_route("*", "/flush_cache", h.flush_cache)
+        r.add_get("/get_load", h.get_load)
+        r.add_get("/v1/loads", h.v1_loads)
+    return app
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(data), status=status, content_type="application/json")
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _json(exc.body(), exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _json(error_body(exc.status, exc.reason), exc.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("internal error serving %s %s", request.method, request.path)
+        return _json(error_body(500, "Internal server error"), 500)
+
+
+class _Handlers:
+    """Request handlers bound to one worker."""
+
+    def __init__(self, worker: SimWorker) -> None:
+        self.w = worker
+        self.cfg = worker.config
+        self.codec = worker.codec
+        self.served = {self.cfg.model}
+        self.owner = self.cfg.flavor
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        g = parse_completion(await _body(request), self.served, self.cfg.scheduler.default_max_tokens)
+        ids = g.prompt_ids if g.prompt_ids is not None else await self.codec.encode(g.prompt_text or "")
+        shape = _CompletionShape(self, f"cmpl-{uuid.uuid4().hex}")
+        return await self._generate(request, g, ids, shape)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        g = parse_chat(await _body(request), self.served, self.cfg.scheduler.default_max_tokens)
+        assert g.messages is not None
+        ids = await self.codec.encode_chat(g.messages, g.tools, g.add_generation_prompt, g.chat_kwargs)
+        shape = _ChatShape(self, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._generate(request, g, ids, shape)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        g = parse_generate(await _body(request))
+        ids = g.prompt_ids if g.prompt_ids is not None else await self.codec.encode(g.prompt_text or "")
+        shape = _GenerateShape(self, g.request_id or uuid.uuid4().hex)
+        return await self._generate(request, g, ids, shape)
+
+    async def _generate(
+        self, request: web.Request, g: GenRequest, ids: list[int], shape: _Shape
+    ) -> web.StreamResponse:
+        check_prompt(ids, g.max_tokens, self.cfg.scheduler.max_model_len, self.codec.vocab_size)
+        if not self.w.alive:
+            raise ApiError(503, "The engine is not running")
+        try:
+            gen = self.w.submit(ids, g.max_tokens, stream=g.stream)
+        except RequestTooLarge as exc:
+            raise ApiError(400, str(exc), "max_tokens") from None
+        shape.prompt_tokens = len(ids)
+        try:
+            if g.stream:
+                return await self._stream(request, g, gen, shape)
+            while not gen.finished:
+                if gen.error:
+                    raise ApiError(503, gen.error)
+                await gen.wait()
+            return _json(shape.full(gen))
+        finally:
+            if not gen.finished:
+                self.w.abort(gen)
+
+    async def _stream(
+        self, request: web.Request, g: GenRequest, gen: Generation, shape: _Shape
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        for first in shape.opening():
+            await resp.write(_sse(first))
+        sent = 0
+        while True:
+            await gen.wait()
+            if gen.error:
+                await resp.write(_sse(error_body(503, gen.error)))
+                return resp
+            if gen.produced > sent or gen.finished:
+                await resp.write(_sse(shape.chunk(gen, sent, gen.produced)))
+                sent = gen.produced
+            if gen.finished:
+                break
+        if g.include_usage:
+            await resp.write(_sse(shape.usage_chunk(gen)))
+        await resp.write(_DONE)
+        await resp.write_eof()
+        return resp
+
+    # -- common endpoints ------------------------------------------------------------------
+
+    async def models_list(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.cfg.model,
+            "object": "model",
+            "created": int(self.w.started_at),
+            "owned_by": self.owner,
+            "root": self.cfg.model,
+            "parent": None,
+            "max_model_len": self.cfg.scheduler.max_model_len,
+            "permission": [],
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": ENGINE_VERSIONS[self.cfg.flavor]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.w.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if "messages" in body:
+            g = parse_chat(body, self.served, 1)
+            assert g.messages is not None
+            ids = await self.codec.encode_chat(g.messages, g.tools, g.add_generation_prompt, g.chat_kwargs)
+        elif isinstance(body.get("prompt"), str):
+            ids = await self.codec.encode(body["prompt"])
+        else:
+            raise ApiError(400, "prompt (a string) or messages is required", "prompt")
+        limit = self.cfg.scheduler.max_model_len
+        return _json({"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        tokens = (await _body(request)).get("tokens")
+        if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+            raise ApiError(400, "tokens must be a list of token ids", "tokens")
+        return _json({"prompt": self.codec.decode(tokens)})
+
+    async def sim_state(self, request: web.Request) -> web.Response:
+        return _json(self.w.state())
+
+    async def sim_fault(self, request: web.Request) -> web.Response:
+        from loadtest.enginesim.worker import FaultError
+
+        body = await _body(request)
+        action = body.pop("action", None)
+        if not isinstance(action, str):
+            raise ApiError(400, "action (a string) is required", "action")
+        try:
+            state = await self.w.fault(action, spare=request.transport, **body)
+        except (FaultError, TypeError) as exc:
+            raise ApiError(400, str(exc), "action") from None
+        resp = _json(state)
+        if action in ("kill", "restart"):
+            resp.force_close()  # the connection belongs to the engine that just died
+        return resp
+
+    # -- vLLM ------------------------------------------------------------------------------
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        ok = self.w.core.reset_prefix_cache()
+        await self.w.publish_pending_events()
+        return _json({"success": ok})
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        if self.w.publisher is None:
+            return _json([])
+        source = {
+            "data_parallel_rank": 0,
+            "endpoint": self.w.events_endpoint,
+            "replay_endpoint": self.w.replay_endpoint,
+            "topic": self.cfg.events.topic,
+        }
+        return _json([source])
+
+    async def load(self, request: web.Request) -> web.Response:
+        core = self.w.core
+        return _json({"server_load": core.num_running + core.num_waiting})
+
+    # -- SGLang ----------------------------------------------------------------------------
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        cfg, core = self.cfg, self.w.core
+        info: dict[str, Any] = {
+            "model_path": cfg.model,
+            "served_model_name": cfg.model,
+            "tokenizer_path": cfg.tokenizer,
+            "page_size": cfg.cache.block_size,
+            "context_length": cfg.scheduler.max_model_len,
+            "max_running_requests": cfg.scheduler.max_num_seqs,
+            "chunked_prefill_size": cfg.scheduler.max_num_batched_tokens,
+            "max_total_num_tokens": core.allocator.num_blocks * core.block_size,
+            "tp_size": 1,
+            "dp_size": 1,
+            "host": cfg.host,
+            "port": self.w.http_port,
+            "version": ENGINE_VERSIONS["sglang"],
+            "internal_states": [{"last_gen_throughput": 0.0, "load": core.num_running}],
+            "simulated": True,
+        }
+        pub = self.w.publisher
+        if pub is not None:
+            kv: dict[str, Any] = {
+                "publisher": "zmq",
+                "endpoint_host": pub.host,
+                "endpoint_port_base": pub.port,
+                "topic": cfg.events.topic,
+                "block_size": cfg.cache.block_size,
+                "dp_size": 1,
+            }
+            if pub.replay_port is not None:
+                kv["replay_endpoint_port_base"] = pub.replay_port
+            info["kv_events"] = kv
+        return _json(info)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "model_path": self.cfg.model,
+                "tokenizer_path": self.cfg.tokenizer,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "kvroute-sim",
+                "architectures": ["SimulatedForCausalLM"],
+            }
+        )
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if not self.w.alive:
+            raise ApiError(503, "The engine is not running")
+        gen = self.w.submit([0], 1, stream=False)
+        try:
+            async with asyncio.timeout(_HEALTH_GENERATE_TIMEOUT_S):
+                while not gen.finished and not gen.error:
+                    await gen.wait()
+        except TimeoutError:
+            raise ApiError(503, "health check timed out") from None
+        finally:
+            if not gen.finished:
+                self.w.abort(gen)
+        if gen.error:
+            raise ApiError(503, gen.error)
+        return web.Response(status=200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.w.busy or not self.w.core.reset_prefix_cache():
+            return web.Response(status=400, text=_FLUSH_BUSY)
+        await self.w.publish_pending_events()
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. (When there are "
+            "running or waiting requests, the operation will not be performed.)\n"
+        )
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        core = self.w.core
+        load = {
+            "dp_rank": 0,
+            "num_reqs": core.num_running + core.num_waiting,
+            "num_waiting_reqs": core.num_waiting,
+            "num_tokens": core.used_blocks * core.block_size,
+            "num_pending_tokens": core.waiting_prompt_tokens,
+            "ts_tic": time.time(),
+        }
+        return _json([load])
+
+    async def v1_loads(self, request: web.Request) -> web.Response:
+        core = self.w.core
+        total = core.allocator.num_blocks * core.block_size
+        used = core.used_blocks * core.block_size
+        st = core.stats
+        load = {
+            "dp_rank": 0,
+            "num_running_reqs": core.num_running,
+            "num_waiting_reqs": core.num_waiting,
+            "num_total_reqs": core.num_running + core.num_waiting,
+            "num_used_tokens": used,
+            "max_total_num_tokens": total,
+            "token_usage": used / total,
+            "cache_hit_rate": st.cache_hits / st.cache_queries if st.cache_queries else 0.0,
+            "num_waiting_uncached_tokens": core.waiting_prompt_tokens,
+        }
+        return _json({"timestamp": time.time(), "dp_rank_count": 1, "loads": [load]})
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    return decode_body(await request.read())
+
+
+# -- response shapes -------------------------------------------------------------------------
+
+
+class _Shape:
+    """How one endpoint shapes its responses (non-streaming body and SSE chunks)."""
+
+    def __init__(self, h: _Handlers, rid: str) -> None:
+        self.h = h
+        self.rid = rid
+        self.created = int(time.time())
+        self.prompt_tokens = 0
+
+    def usage(self, gen: Generation) -> dict[str, Any]:
+        n = gen.produced
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + n,
+            "completion_tokens": n,
+            "prompt_tokens_details": {"cached_tokens": gen.req.cached_tokens},
+        }
+
+    def text(self, start: int, end: int) -> str:
+        return self.h.codec.output_text(start, end)
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, gen: Generation, start: int, end: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage_chunk(self, gen: Generation) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def full(self, gen: Generation) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _envelope(self, obj: str, choices: list[Any]) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.h.cfg.model,
+            "choices": choices,
+        }
+
+
+def _finish(gen: Generation) -> str | None:
+    return "length" if gen.finished else None
+
+
+class _CompletionShape(_Shape):
+    def chunk(self, gen: Generation, start: int, end: int) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "text": self.text(start, end),
+            "logprobs": None,
+            "finish_reason": _finish(gen),
+            "stop_reason": None,
+        }
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, gen: Generation) -> dict[str, Any]:
+        return {**self._envelope("text_completion", []), "usage": self.usage(gen)}
+
+    def full(self, gen: Generation) -> dict[str, Any]:
+        body = self.chunk(gen, 0, gen.produced)
+        body["usage"] = self.usage(gen)
+        return body
+
+
+class _ChatShape(_Shape):
+    def opening(self) -> list[dict[str, Any]]:
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return [self._envelope("chat.completion.chunk", [choice])]
+
+    def chunk(self, gen: Generation, start: int, end: int) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "delta": {"content": self.text(start, end)},
+            "logprobs": None,
+            "finish_reason": _finish(gen),
+            "stop_reason": None,
+        }
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def usage_chunk(self, gen: Generation) -> dict[str, Any]:
+        return {**self._envelope("chat.completion.chunk", []), "usage": self.usage(gen)}
+
+    def full(self, gen: Generation) -> dict[str, Any]:
+        message = {"role": "assistant", "content": self.text(0, gen.produced), "tool_calls": []}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+        return {**self._envelope("chat.completion", [choice]), "usage": self.usage(gen)}
+
+
+class _GenerateShape(_Shape):
+    """SGLang's native ``/generate``: cumulative text and ids in every streamed chunk."""
+
+    def chunk(self, gen: Generation, start: int, end: int) -> dict[str, Any]:
+        req = gen.req
+        meta = {
+            "id": self.rid,
+            "finish_reason": {"type": "length", "length": end} if gen.finished else None,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": end,
+            "cached_tokens": req.cached_tokens,
+            "e2e_latency": asyncio.get_running_loop().time() - req.arrival,
+        }
+        ids = self.h.w.core.output_token_ids(0, end)
+        return {"text": self.text(0, end), "output_ids": ids, "meta_info": meta}
+
+    def usage_chunk(self, gen: Generation) -> dict[str, Any]:
+        return self.chunk(gen, 0, gen.produced)
+
+    def full(self, gen: Generation) -> dict[str, Any]:
+        return self.chunk(gen, 0, gen.produced)

@@ -1,0 +1,264 @@
+"""The gateway's consumer: the pure applier, and the service on the in-memory bus."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from typing import Any
+
+from agent_helpers import wait_until
+
+from gateway.bus import (
+    PROTOCOL_VERSION,
+    BusError,
+    Cleared,
+    Entry,
+    Event,
+    MemoryBus,
+    Removed,
+    Snapshot,
+    Stored,
+    StreamRead,
+    WorkerInfo,
+)
+from gateway.consumer import Applied, Consumer, ConsumerConfig, StreamApplier
+from gateway.index import ShadowIndex
+from gateway.load import EngineReport
+from worker_agent.mirror import WorkerMirror, build_chains
+
+
+class Writer:
+    """A minimal agent: a mirror, sequenced entries of one epoch, snapshots."""
+
+    def __init__(self, worker: str, epoch: int = 1, seed: int = 0) -> None:
+        self.worker = worker
+        self.epoch = epoch
+        self.seq = 0
+        self.mirror = WorkerMirror()
+        self.rng = random.Random(seed)
+        self.next_key = seed * 1_000_000 + 1
+        self.last_id = "0-0"
+
+    def entry(self, events: list[Event]) -> Entry:
+        self.seq += 1
+        return Entry(PROTOCOL_VERSION, self.epoch, self.seq, 0.0, 0.0, [], events)
+
+    def random_events(self, n: int = 5) -> list[Event]:
+        out: list[Event] = []
+        for _ in range(n):
+            keys = list(self.mirror.parent)
+            r = self.rng.random()
+            if r < 0.55 or not keys:
+                parent = self.rng.choice(keys) if keys and self.rng.random() < 0.7 else None
+                chain = list(range(self.next_key, self.next_key + self.rng.randint(1, 6)))
+                self.next_key += len(chain)
+                out.extend(self.mirror.add([(parent, chain)]))
+            elif r < 0.97:
+                out.extend(self.mirror.drop(self.rng.sample(keys, min(len(keys), 3))))
+            else:
+                out.extend(self.mirror.clear())
+        return out
+
+    def snapshot(self) -> Snapshot:
+        chains = build_chains(dict(self.mirror.parent))
+        return Snapshot(PROTOCOL_VERSION, self.epoch, self.seq, self.last_id, 0.0, chains)
+
+    async def publish(self, bus: MemoryBus, entries: Iterable[Entry]) -> list[str]:
+        ids = await bus.append(self.worker, list(entries))
+        self.last_id = ids[-1]
+        return ids
+
+
+# -- the pure applier ------------------------------------------------------------------------
+
+
+def test_applier_applies_in_order_and_batches_removes() -> None:
+    calls: list[int] = []
+
+    class CountingIndex(ShadowIndex):
+        def removed(self, worker: str, keys: Iterable[int]) -> None:
+            keys = list(keys)
+            calls.append(len(keys))
+            super().removed(worker, keys)
+
+    app = StreamApplier(CountingIndex())
+    e1 = Entry(1, 5, 1, 0, 0, [], [Stored(None, [1, 2, 3]), Stored(3, [4])])
+    e2 = Entry(1, 5, 2, 0, 0, [], [Removed([4]), Removed([3]), Stored(2, [9]), Removed([9])])
+    assert app.apply("w", "1-0", e1) is Applied.APPLIED
+    assert app.apply("w", "2-0", e2) is Applied.APPLIED
+    assert calls == [2, 1]
+    assert app.index.worker_keys("w") == {1, 2}
+    assert app.apply("w", "2-0", e2) is Applied.DUPLICATE
+    assert app.cursors["w"].stream_id == "2-0"
+
+
+def test_applier_epochs() -> None:
+    app = StreamApplier(ShadowIndex())
+    app.apply("w", "1-0", Entry(1, 5, 1, 0, 0, [], [Stored(None, [1])]))
+    assert app.apply("w", "2-0", Entry(1, 4, 9, 0, 0, [], [Stored(None, [2])])) is Applied.STALE
+    assert app.index.worker_keys("w") == {1}
+    # a new agent run: its first entry clears the old run's state
+    assert app.apply("w", "3-0", Entry(1, 6, 1, 0, 0, [], [Cleared(), Stored(None, [3])]))
+    assert app.index.worker_keys("w") == {3}
+    # the registry can announce the new epoch first: state is dropped at once
+    assert app.new_epoch("w", 7) and app.index.worker_keys("w") == set()
+    assert not app.new_epoch("w", 7)
+
+
+def test_applier_gap_waits_for_a_covering_snapshot() -> None:
+    app = StreamApplier(ShadowIndex())
+    app.apply("w", "1-0", Entry(1, 5, 1, 0, 0, [], [Stored(None, [1])]))
+    assert app.apply("w", "3-0", Entry(1, 5, 3, 0, 0, [], [Stored(None, [3])])) is Applied.GAP
+    assert app.apply("w", "4-0", Entry(1, 5, 4, 0, 0, [], [])) is Applied.WAITING
+    assert app.index.worker_keys("w") == {1}  # the last state is kept meanwhile
+    old = Snapshot(1, 5, 1, "1-0", 0, [(None, [1])])
+    assert not app.covers("w", old)
+    good = Snapshot(1, 5, 3, "3-0", 0, [(None, [1]), (None, [2]), (None, [3])])
+    assert app.covers("w", good)
+    app.bootstrap("w", good)
+    assert app.index.worker_keys("w") == {1, 2, 3}
+    assert app.apply("w", "4-0", Entry(1, 5, 4, 0, 0, [], [Removed([2])])) is Applied.APPLIED
+    assert app.index.worker_keys("w") == {1, 3}
+    assert app.apply("w", "5-0", None) is Applied.CORRUPT
+    assert app.cursors["w"].waiting
+
+
+def test_applier_without_snapshot_needs_the_epoch_start() -> None:
+    app = StreamApplier(ShadowIndex())
+    app.bootstrap("w", None)
+    assert app.apply("w", "1-0", Entry(1, 5, 2, 0, 0, [], [])) is Applied.GAP
+    app.bootstrap("v", None)
+    assert app.apply("v", "1-0", Entry(1, 5, 1, 0, 0, [], [Cleared()])) is Applied.APPLIED
+
+
+def test_snapshot_plus_tail_equals_reading_everything() -> None:
+    w = Writer("w", seed=3)
+    entries = [w.entry(w.random_events()) for _ in range(200)]
+    full = StreamApplier(ShadowIndex())
+    for i, e in enumerate(entries):
+        full.apply("w", f"{i + 1}-0", e)
+    assert full.index.worker_keys("w") == w.mirror.keys()
+    # snapshot at entry 120 (rebuild the mirror state there), then the tail
+    w2 = Writer("w", seed=3)
+    for _ in range(120):
+        w2.entry(w2.random_events())
+    w2.last_id = "120-0"
+    boot = StreamApplier(ShadowIndex())
+    boot.bootstrap("w", w2.snapshot())
+    for i, e in enumerate(entries[120:], start=120):
+        assert boot.apply("w", f"{i + 1}-0", e) is Applied.APPLIED
+    assert boot.index.worker_keys("w") == full.index.worker_keys("w")
+
+
+# -- the service on the memory bus -----------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fast() -> ConsumerConfig:
+    return ConsumerConfig(block_ms=20, poll_interval=0.02, snapshot_retry=0.02, expiry_grace=0)
+
+
+async def test_consumer_bootstraps_and_follows() -> None:
+    bus = MemoryBus()
+    writers = [Writer(f"w{i}", seed=i) for i in range(3)]
+    for w in writers:
+        await w.publish(bus, [w.entry([Cleared()])])
+        await w.publish(bus, [w.entry(w.random_events()) for _ in range(30)])
+        await bus.write_snapshot(w.worker, w.snapshot())
+        await w.publish(bus, [w.entry(w.random_events()) for _ in range(10)])
+        await bus.register(WorkerInfo(w.worker, "http://x", "m", epoch=1), ttl=60)
+    events: list[tuple[str, str]] = []
+    async with Consumer(bus, config=fast()) as c:
+        c.subscribe(lambda kind, worker: events.append((kind, worker)))
+        await c.wait_synced(5)
+        for w in writers:
+            await w.publish(bus, [w.entry(w.random_events()) for _ in range(10)])
+
+        def equal() -> bool:
+            return all(c.index.worker_keys(w.worker) == w.mirror.keys() for w in writers)
+
+        await wait_until(equal, 5, "consumer == writers")
+        await bus.publish_report("w1", EngineReport(running=3, ts=1.0), ttl=60)
+        await wait_until(lambda: c.report("w1") is not None, 5, "report")
+        assert c.report("w1") == EngineReport(running=3, ts=1.0)
+        assert set(c.workers()) == {"w0", "w1", "w2"}
+        assert ("report", "w1") in events
+        assert c.stats.apply.bootstraps == 3 and c.stats.resyncs == 0
+
+
+class PartitionedBus(MemoryBus):
+    """Readers cut off while writers still work (a consumer that falls behind)."""
+
+    reads_down = False
+
+    async def read(self, *args: Any, **kwargs: Any) -> list[StreamRead]:
+        if self.reads_down:
+            raise BusError("partitioned")
+        return await super().read(*args, **kwargs)
+
+
+async def test_consumer_behind_a_trim_rebootstraps() -> None:
+    bus = PartitionedBus()
+    w = Writer("w", seed=1)
+    await w.publish(bus, [w.entry([Cleared()])])
+    await bus.register(WorkerInfo("w", "http://x", "m", epoch=1), ttl=60)
+    async with Consumer(bus, config=fast()) as c:
+        await wait_until(lambda: c.applier.cursors.get("w") is not None, 5, "bootstrap")
+        bus.reads_down = True
+        ids = []
+        for _ in range(20):
+            ids += await w.publish(bus, [w.entry(w.random_events())])
+        await bus.write_snapshot("w", w.snapshot())
+        await bus.trim("w", ids[-1])  # the entries the consumer missed are gone
+        for _ in range(5):
+            await w.publish(bus, [w.entry(w.random_events())])
+        bus.reads_down = False
+        await wait_until(lambda: c.index.worker_keys("w") == w.mirror.keys(), 5, "resync")
+        assert c.stats.resyncs == 1 and c.stats.apply.gaps == 1
+
+
+async def test_consumer_expires_workers_and_keeps_index_through_outages() -> None:
+    clock = Clock()
+    bus = MemoryBus(clock=clock)
+    w = Writer("w")
+    await w.publish(bus, [w.entry([Cleared(), Stored(None, [1, 2])])])
+    await bus.register(WorkerInfo("w", "http://x", "m", epoch=1), ttl=3)
+    removed: list[str] = []
+    async with Consumer(bus, config=fast()) as c:
+        c.subscribe(lambda kind, worker: removed.append(worker) if kind == "removed" else None)
+        await wait_until(lambda: c.index.worker_keys("w") == {1, 2}, 5, "applied")
+        bus.set_down(True)
+        await wait_until(lambda: not c.stats.connected, 5, "outage seen")
+        clock.t += 10  # registrations lapse during the outage...
+        await wait_until(lambda: c.stats.bus_errors > 3, 5, "retries")
+        assert c.index.worker_keys("w") == {1, 2}  # ...but nothing is dropped while down
+        bus.set_down(False)
+        await w.publish(bus, [w.entry([Removed([1])])])
+        await bus.register(WorkerInfo("w", "http://x", "m", epoch=1), ttl=3)
+        await wait_until(lambda: c.index.worker_keys("w") == {2}, 5, "caught up")
+        clock.t += 10  # now the worker really goes away
+        await wait_until(lambda: "w" not in c.workers(), 5, "expiry")
+        assert removed == ["w"] and "w" not in c.index
+        assert c.stats.workers_expired == 1
+
+
+async def test_consumer_drops_old_epoch_on_agent_restart() -> None:
+    bus = MemoryBus()
+    old = Writer("w", epoch=1)
+    await old.publish(bus, [old.entry([Cleared(), Stored(None, [1, 2])])])
+    await bus.register(WorkerInfo("w", "http://x", "m", epoch=1), ttl=60)
+    async with Consumer(bus, config=fast()) as c:
+        await wait_until(lambda: c.index.worker_keys("w") == {1, 2}, 5, "applied")
+        new = Writer("w", epoch=2)
+        await new.publish(bus, [new.entry([Cleared(), Stored(None, [7])])])
+        await old.publish(bus, [old.entry([Stored(2, [3])])])  # a late write of the old run
+        await wait_until(lambda: c.index.worker_keys("w") == {7}, 5, "new epoch")
+        await wait_until(lambda: c.stats.apply.entries_stale == 1, 5, "stale dropped")
+        assert c.index.worker_keys("w") == {7}

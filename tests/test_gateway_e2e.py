@@ -1,0 +1,295 @@
+"""The gateway end to end: Redis + sim workers + agents + gateway, real processes on loopback,
+driven with the official ``openai`` SDK."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from loadtest.stack import ADMIN_KEY, Stack, StackConfig
+
+MODEL = "sim-model"
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+
+
+def text(seed: int, n_words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    cfg = StackConfig(workers=4, speedup=20, log_dir=tmp_path_factory.mktemp("stack"))
+    with Stack(cfg) as s:
+        yield s
+
+
+def client(stack: Stack, i: int = 0, **kw: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.gateway_urls[i] + "/v1", api_key="none", max_retries=0, **kw)  # type: ignore[arg-type]
+
+
+def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(url, data=body, method="POST", headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def get(url: str, token: str | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+# -- API surface -------------------------------------------------------------------------------
+
+
+def test_chat_and_completions_streaming_and_not(stack: Stack) -> None:
+    c = client(stack)
+    msgs = [{"role": "user", "content": text(1, 50)}]
+    r = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=5)  # type: ignore[arg-type]
+    comp = r.parse()
+    assert comp.choices[0].message.content and comp.usage and comp.usage.completion_tokens == 5
+    assert r.headers["x-kvroute-worker"].startswith("worker-")
+    assert int(r.headers["x-kvroute-matched-tokens"]) >= 0 and "x-kvroute-predicted-ttft-ms" in r.headers
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, stream=True))  # type: ignore[arg-type]
+    # the gateway asked the worker for usage but the client did not: no usage chunk reaches it
+    assert all(ch.choices for ch in chunks) and sum(1 for ch in chunks if ch.choices[0].delta.content) == 6
+    with_usage = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, stream=True, stream_options={"include_usage": True}))  # type: ignore[arg-type]
+    assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens == 3
+    cp = c.completions.create(model=MODEL, prompt=text(2, 40), max_tokens=4)
+    assert cp.choices[0].text and cp.usage and cp.usage.completion_tokens == 4
+    ids = c.completions.create(model=MODEL, prompt=[101, 102, 103] * 20, max_tokens=2)
+    assert ids.usage and ids.usage.prompt_tokens == 60
+    streamed = list(c.completions.create(model=MODEL, prompt=text(3, 30), max_tokens=4, stream=True))
+    assert "".join(s.choices[0].text for s in streamed if s.choices)
+    models = c.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_multi_turn_follow_ups_land_on_the_prefix_holder_and_hit_the_cache(stack: Stack) -> None:
+    c = client(stack)
+    msgs: list[dict[str, str]] = [{"role": "system", "content": text(10, 600)}]
+    workers, cached = [], []
+    for turn in range(5):
+        msgs.append({"role": "user", "content": text(100 + turn, 40)})
+        r = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=8)  # type: ignore[arg-type]
+        comp = r.parse()
+        workers.append(r.headers["x-kvroute-worker"])
+        assert comp.usage and comp.usage.prompt_tokens_details
+        cached.append((comp.usage.prompt_tokens_details.cached_tokens or 0, comp.usage.prompt_tokens))
+        msgs.append({"role": "assistant", "content": comp.choices[0].message.content or ""})
+    assert len(set(workers)) == 1, workers
+    for hit, total in cached[1:]:
+        assert hit >= 0.8 * total, cached
+    # the gateway's prediction matched what the engine delivered
+    _, metrics = get(stack.gateway_urls[0] + "/metrics")
+    assert b"kvroute_delivered_cached_tokens_total" in metrics
+
+
+def test_errors_are_openai_shaped_4xx(stack: Stack) -> None:
+    url = stack.gateway_urls[0]
+    cases = [
+        (b"{not json", 400, "invalid_json"),
+        (b"\xff\xfe", 400, "invalid_utf8"),
+        (json.dumps({"model": MODEL}).encode(), 400, "missing_field"),
+        (json.dumps({"model": MODEL, "messages": "x"}).encode(), 400, "invalid_type"),
+        (json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "model_not_found"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text(5, 70000)}]}).encode(), 400, "context_length_exceeded"),
+        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}).encode(), 400, "context_length_exceeded"),
+        (json.dumps({"model": MODEL, "messages": [{"role": 7, "content": "x"}]}).encode(), 400, "invalid_prompt"),
+        (json.dumps({"model": MODEL, "prompt": [10**9]}).encode(), 400, "invalid_token_id"),
+    ]
+    for body, status, code in cases:
+        path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+        got, headers, data = post(url + path, body)
+        assert got == status, (body[:80], got, data[:200])
+        err = json.loads(data)["error"]
+        assert err["code"] == code and err["message"] and "type" in err
+        assert headers.get("x-request-id")
+    big = b'{"model": "x", "prompt": "' + b"a" * (33 * 1024 * 1024) + b'"}'
+    got, _, data = post(url + "/v1/completions", big)
+    assert got == 413 and json.loads(data)["error"]["code"] == "request_too_large"
+    assert get(url + "/nope")[0] == 404
+    # the SDK sees a proper exception, not a crash
+    with pytest.raises(openai.NotFoundError):
+        client(stack).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_health_ready_metrics_and_admin_endpoints(stack: Stack) -> None:
+    url = stack.gateway_urls[0]
+    assert get(url + "/health") == (200, b'{"status": "ok"}')
+    assert get(url + "/ready")[0] == 200
+    status, body = get(url + "/metrics")
+    assert status == 200
+    for name in (b"kvroute_requests_total", b"kvroute_ttft_seconds_bucket", b"kvroute_index_blocks", b"kvroute_redis_connected 1.0"):
+        assert name in body
+    assert get(url + "/workers")[0] == 401
+    assert get(url + "/workers", "wrong")[0] == 401
+    status, body = get(url + "/workers", ADMIN_KEY)
+    ws = json.loads(body)["workers"]
+    assert status == 200 and {w["worker_id"] for w in ws} == {f"worker-{i}" for i in range(4)}
+    assert all(w["healthy"] and w["circuit"] == "closed" for w in ws)
+    probe = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text(1, 50)}]}).encode()
+    status, _, body = post(url + "/debug/route", probe, {"authorization": f"Bearer {ADMIN_KEY}"})
+    d = json.loads(body)
+    assert status == 200 and d["worker"].startswith("worker-") and len(d["candidates"]) == 4
+    assert {"worker", "matched_tokens", "predicted_ttft_ms", "score"} <= set(d["candidates"][0])
+    assert post(url + "/debug/route", probe)[0] == 401
+
+
+def test_two_replicas_make_the_same_decisions_for_the_same_index(stack: Stack) -> None:
+    stack.start_gateway(1)
+    try:
+        stack.wait_ready()
+        c = client(stack, 0)
+        prompts = [text(500 + i, 400) for i in range(6)]
+        for p in prompts:  # warm distinct prefixes through replica 0
+            c.completions.create(model=MODEL, prompt=p, max_tokens=1)
+        probes = [json.dumps({"model": MODEL, "prompt": p + " and more"}).encode() for p in prompts]
+
+        def decisions(url: str) -> list[tuple[str, int]]:
+            out = []
+            for body in probes:
+                _, _, data = post(url + "/debug/route", body, {"authorization": f"Bearer {ADMIN_KEY}"})
+                d = json.loads(data)
+                out.append((d["worker"], d["matched_tokens"]))
+            return out
+
+        deadline = time.monotonic() + 10
+        while decisions(stack.gateway_urls[0]) != decisions(stack.gateway_urls[1]):
+            assert time.monotonic() < deadline, "replicas did not converge on the same index"
+            time.sleep(0.1)
+        assert all(m > 0 for _, m in decisions(stack.gateway_urls[1]))
+    finally:
+        stack.gateways[1].stop()
+        stack.gateways.pop()
+        stack.gateway_urls.pop()
+
+
+# -- load and faults (each with its own stack) ---------------------------------------------------
+
+
+def test_saturated_hot_prefix_holder_loses_traffic_to_idle_workers(tmp_path: Path) -> None:
+    with Stack(StackConfig(workers=4, speedup=4, log_dir=tmp_path)) as stack:
+        c = client(stack, timeout=60)
+        shared = text(7, 1500)
+
+        def one(i: int) -> tuple[str, int, int]:
+            r = c.completions.with_raw_response.create(model=MODEL, prompt=shared + " " + text(1000 + i, 500), max_tokens=4)
+            u = r.parse().usage
+            assert u is not None and u.prompt_tokens_details is not None
+            return r.headers["x-kvroute-worker"], u.prompt_tokens_details.cached_tokens or 0, u.prompt_tokens
+
+        one(-1)  # one worker holds the hot prefix
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            results = list(pool.map(one, range(48)))
+        used = Counter(w for w, _, _ in results)
+        assert len(used) >= 3, used  # the holder alone would queue everything
+        hit = sum(h for _, h, _ in results) / sum(t for _, _, t in results)
+        assert hit > 0.4, hit  # and the prefix still mostly comes from cache
+
+
+def test_killed_worker_is_avoided_and_unstarted_requests_are_retried(tmp_path: Path) -> None:
+    with Stack(StackConfig(workers=3, speedup=20, log_dir=tmp_path)) as stack:
+        c = client(stack)
+        prompt = text(42, 300)
+        first = c.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
+        holder = first.headers["x-kvroute-worker"]
+        idx = int(holder.split("-")[1])
+        stack.fault(idx, "kill")
+        killed_at = time.monotonic()
+        # follow-ups prefer the holder (its prefix is indexed) yet must all succeed elsewhere
+        seen = []
+        for i in range(12):
+            r = c.completions.with_raw_response.create(model=MODEL, prompt=prompt + f" {i}", max_tokens=2)
+            assert r.parse().choices[0].text is not None
+            seen.append((time.monotonic() - killed_at, r.headers["x-kvroute-worker"]))
+        assert all(w != holder for _, w in seen)
+        _, metrics = get(stack.gateway_urls[0] + "/metrics")
+        retried = [line for line in metrics.decode().splitlines() if line.startswith("kvroute_retries_total") and holder in line]
+        assert retried, "the request that met the dead worker was retried"
+        ws = {w["worker_id"]: w for w in stack.workers()}
+        assert not ws[holder]["healthy"]
+
+
+def test_redis_killed_and_restarted_mid_run_loses_no_request(tmp_path: Path) -> None:
+    with Stack(StackConfig(workers=3, speedup=20, log_dir=tmp_path)) as stack:
+        c = client(stack)
+        assert stack.redis is not None
+        errors: list[BaseException] = []
+        done = 0
+
+        def run(i: int) -> None:
+            nonlocal done
+            try:
+                c.completions.create(model=MODEL, prompt=text(i % 5, 200) + f" {i}", max_tokens=3)
+                done += 1
+            except Exception as exc:  # collected and asserted below
+                errors.append(exc)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futs = [pool.submit(run, i) for i in range(20)]
+            concurrent.futures.wait(futs)
+            stack.redis.kill()
+            futs = [pool.submit(run, i) for i in range(20, 60)]
+            concurrent.futures.wait(futs)
+            stack.redis.start()
+            futs = [pool.submit(run, i) for i in range(60, 80)]
+            concurrent.futures.wait(futs)
+        assert not errors and done == 80
+        # after Redis returns the gateway resynchronises (agents re-register, index rebuilt)
+        stack.wait_ready(timeout=30)
+        status, body = get(stack.gateway_urls[0] + "/metrics")
+        assert b"kvroute_redis_connected 1.0" in body
+
+
+def test_no_healthy_worker_is_503_with_retry_after(tmp_path: Path) -> None:
+    with Stack(StackConfig(workers=1, speedup=20, log_dir=tmp_path)) as stack:
+        stack.fault(0, "kill")
+        deadline = time.monotonic() + 10
+        while True:
+            status, headers, data = post(stack.gateway_urls[0] + "/v1/completions", json.dumps({"model": MODEL, "prompt": "hello"}).encode())
+            if status == 503:
+                break
+            assert status == 502 and time.monotonic() < deadline, (status, data)
+        assert headers.get("Retry-After") == "1"
+        assert json.loads(data)["error"]["code"] == "no_healthy_worker"
+        assert get(stack.gateway_urls[0] + "/ready")[0] == 503
+
+
+def test_api_keys_and_multiprocess_gateway(tmp_path: Path) -> None:
+    cfg = StackConfig(
+        workers=2,
+        speedup=20,
+        log_dir=tmp_path,
+        gateway_processes=2,
+        gateway_settings={"auth": {"api_keys": [{"key": "k1", "name": "team-a"}]}},
+    )
+    with Stack(cfg) as stack:
+        url = stack.gateway_urls[0]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="k1", max_retries=0)
+        for i in range(8):  # connections spread over both processes; every one answers
+            assert ok.completions.create(model=MODEL, prompt=text(i, 20), max_tokens=1).choices
+        _, body = get(url + "/metrics")
+        line = next(x for x in body.decode().splitlines() if x.startswith("kvroute_requests_total"))
+        assert line  # aggregated across processes
+        total = sum(float(x.rsplit(" ", 1)[1]) for x in body.decode().splitlines() if x.startswith("kvroute_requests_total"))
+        assert total >= 8

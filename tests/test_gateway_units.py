@@ -1,0 +1,228 @@
+"""Gateway parts without I/O: request validation, circuit breaker, admission, allow-list, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.circuit import Circuit, CircuitState
+from gateway.errors import ApiError
+from gateway.limits import Admission, TokenBucket
+from gateway.proxy import _SseFilter, parse_usage
+from gateway.registry import check_upstream_url
+from gateway.requests import parse_body, too_long
+
+
+def body(**kw: object) -> bytes:
+    return json.dumps(kw).encode()
+
+
+# -- request validation ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "kind", "code"),
+    [
+        (b"\xff\xfe{}", "chat", "invalid_utf8"),
+        (b"{not json", "chat", "invalid_json"),
+        (b"", "chat", "invalid_json"),
+        (b"[1, 2]", "chat", "invalid_json"),
+        (b"[" * 100_000 + b"]" * 100_000, "chat", "invalid_json"),
+        (body(model="m"), "chat", "missing_field"),
+        (body(model="m", messages=[]), "chat", "invalid_type"),
+        (body(model="m", messages="hi"), "chat", "invalid_type"),
+        (body(model=5, messages=[{"role": "user", "content": "x"}]), "chat", "invalid_type"),
+        (body(model="m", messages=[{}], stream="yes"), "chat", "invalid_type"),
+        (body(model="m", messages=[{}], max_tokens=-1), "chat", "invalid_value"),
+        (body(model="m", messages=[{}], max_tokens=True), "chat", "invalid_type"),
+        (body(model="m", messages=[{}], temperature="hot"), "chat", "invalid_type"),
+        (body(model="m", messages=[{}], n=0), "chat", "invalid_value"),
+        (body(model="m", messages=[{}], stream_options={"include_usage": 1}), "chat", "invalid_type"),
+        (body(model="m"), "completion", "missing_field"),
+        (body(model="m", prompt=[]), "completion", "invalid_type"),
+        (body(model="m", prompt=[1, -2]), "completion", "invalid_type"),
+        (body(model="m", prompt=[1, True]), "completion", "invalid_type"),
+        (body(model="m", prompt=[[1], []]), "completion", "invalid_type"),
+        (body(model="m", prompt=["a", 1]), "completion", "invalid_type"),
+        (body(model="m", prompt={"a": 1}), "completion", "invalid_type"),
+        (body(sampling_params={}), "generate", "missing_field"),
+        (body(text="x", sampling_params={"max_new_tokens": -1}), "generate", "invalid_type"),
+    ],
+)
+def test_bad_bodies_are_400_with_a_code(raw: bytes, kind: str, code: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_body(raw, kind)  # type: ignore[arg-type]
+    assert err.value.status == 400 and err.value.code == code
+    parsed = json.loads(err.value.body())
+    assert set(parsed["error"]) == {"message", "type", "param", "code"}
+
+
+def test_good_bodies_parse_and_unknown_fields_survive() -> None:
+    raw = body(model="m", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=7, vendor_x={"a": 1})
+    r = parse_body(raw, "chat")
+    assert r.stream and r.max_tokens == 7 and r.raw == raw and not r.include_usage
+    again = json.loads(r.with_changes(stream_options={"include_usage": True}))
+    assert again["vendor_x"] == {"a": 1} and again["stream_options"] == {"include_usage": True}
+    assert list(again)[:2] == ["model", "messages"]  # order kept
+    c = parse_body(body(model="m", prompt=[[5, 6], [7]]), "completion")
+    assert c.prompt_ids == [5, 6] and c.prompt_text is None
+    g = parse_body(body(text=["a", "b"], sampling_params={"max_new_tokens": 3}), "generate")
+    assert g.prompt_text == "a" and g.max_tokens == 3 and g.model is None
+
+
+def test_context_limit_like_vllm() -> None:
+    assert too_long(10, 5, 100) is None
+    assert too_long(100, None, 100) is not None
+    err = too_long(90, 20, 100)
+    assert err is not None and err.code == "context_length_exceeded" and err.status == 400
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300) | st.recursive(st.none() | st.booleans() | st.integers() | st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c), max_leaves=20).map(lambda v: json.dumps(v).encode()))
+def test_fuzzed_bodies_never_raise_anything_but_4xx(raw: bytes) -> None:
+    for kind in ("chat", "completion", "generate"):
+        try:
+            parse_body(raw, kind)  # type: ignore[arg-type]
+        except ApiError as exc:
+            assert 400 <= exc.status < 500
+
+
+# -- circuit breaker -----------------------------------------------------------------------------
+
+
+def test_circuit_opens_half_opens_and_closes() -> None:
+    c = Circuit(failure_threshold=3, open_seconds=2.0)
+    for t in range(2):
+        c.on_failure(float(t))
+    assert c.allows(2.0)
+    c.on_failure(2.0)
+    assert c.state is CircuitState.OPEN and not c.allows(3.0)
+    assert c.allows(4.0) and c.state is CircuitState.HALF_OPEN
+    c.on_send()
+    assert not c.allows(4.1)  # one probe at a time
+    c.on_failure(4.2)
+    assert c.state is CircuitState.OPEN and not c.allows(5.0)
+    assert c.allows(6.3)
+    c.on_send()
+    c.on_success()
+    assert c.state is CircuitState.CLOSED and c.allows(6.4)
+
+
+def test_refused_connection_opens_at_once() -> None:
+    c = Circuit(failure_threshold=5)
+    c.on_failure(1.0, fatal=True)
+    assert c.state is CircuitState.OPEN and c.opens == 1
+
+
+# -- admission ---------------------------------------------------------------------------------
+
+
+async def test_admission_priority_full_and_timeout() -> None:
+    adm = Admission(max_concurrency=1, queue_size=2, queue_timeout=5.0)
+    await adm.acquire()
+    order: list[str] = []
+
+    async def wait(name: str, prio: int) -> None:
+        await adm.acquire(prio)
+        order.append(name)
+
+    low = asyncio.create_task(wait("low", 0))
+    high = asyncio.create_task(wait("high", 5))
+    while adm.queued < 2:
+        await asyncio.sleep(0)
+    with pytest.raises(ApiError) as full:
+        await adm.acquire()
+    assert full.value.status == 429
+    adm.release()
+    await high
+    assert order == ["high"] and not low.done()
+    adm.release()
+    await low
+    assert order == ["high", "low"] and adm.in_flight == 1
+    short = Admission(max_concurrency=1, queue_size=4, queue_timeout=0.05)
+    await short.acquire()
+    with pytest.raises(ApiError) as late:
+        await short.acquire()
+    assert late.value.status == 408
+    short.release()
+    assert short.in_flight == 0
+
+
+async def test_admission_cancelled_waiter_gives_its_slot_back() -> None:
+    adm = Admission(max_concurrency=1, queue_size=4, queue_timeout=5.0)
+    await adm.acquire()
+    t = asyncio.create_task(adm.acquire())
+    while not adm.queued:
+        await asyncio.sleep(0)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    adm.release()
+    assert adm.in_flight == 0
+
+
+def test_token_bucket() -> None:
+    b = TokenBucket(rate=10, burst=20)
+    assert b.take(20, now=0.0) == 0.0
+    assert b.take(5, now=0.0) == pytest.approx(0.5)
+    assert b.take(5, now=0.5) == 0.0
+    b.charge(100, now=0.5)
+    assert b.take(1, now=0.6) > 9
+    assert TokenBucket(0, 0).take(1e9, 0.0) == 0.0
+
+
+# -- upstream allow-list ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "allowed", "ok"),
+    [
+        ("http://10.1.2.3:8000", ["10.0.0.0/8"], True),
+        ("http://10.1.2.3:8000", ["192.168.0.0/16"], False),
+        ("http://vllm-0.pool.svc:8000", ["*.pool.svc"], True),
+        ("http://evil.example.com", ["*.pool.svc"], False),
+        ("http://anything:1", [], True),
+        ("file:///etc/passwd", [], False),
+        ("gopher://x", [], False),
+        ("http://user:pw@host:1", [], False),
+        ("http://host:1/?redirect=x", [], False),
+        ("http://", [], False),
+    ],
+)
+def test_upstream_urls_checked(url: str, allowed: list[str], ok: bool) -> None:
+    assert (check_upstream_url(url, allowed) is None) == ok
+
+
+# -- SSE pass-through ---------------------------------------------------------------------------
+
+
+def test_sse_filter_strips_injected_usage_and_keeps_it() -> None:
+    events = [
+        b'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n',
+        b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":10,"prompt_tokens_details":{"cached_tokens":8},"completion_tokens":2}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    stream = b"".join(events)
+    for cut in range(1, len(stream)):  # any chunking gives the same output
+        f = _SseFilter(strip_usage=True)
+        out = f.feed(stream[:cut]) + f.feed(stream[cut:]) + f.flush()
+        assert out == events[0] + events[1] + events[3]
+        assert f.done
+        u = parse_usage(f.usage)
+        assert u is not None and (u.prompt_tokens, u.cached_tokens, u.completion_tokens) == (10, 8, 2)
+    keep = _SseFilter(strip_usage=False)
+    assert keep.feed(stream) == stream
+
+
+def test_usage_from_sglang_meta_info() -> None:
+    f = _SseFilter(strip_usage=False)
+    f.feed(b'data: {"text":"a","meta_info":{"prompt_tokens":5,"cached_tokens":3,"completion_tokens":1}}\n\ndata: [DONE]\n\n')
+    u = parse_usage(f.usage)
+    assert u is not None and u.cached_tokens == 3
+    assert parse_usage([{"meta_info": {"prompt_tokens": 2, "cached_tokens": 1}}, {"meta_info": {"prompt_tokens": 3}}]).prompt_tokens == 5  # type: ignore[union-attr]
+    assert parse_usage({"usage": {"prompt_tokens": True}}).prompt_tokens == 0  # type: ignore[union-attr]

@@ -1,0 +1,88 @@
+"""Canonical block keys: the contract between agent and gateway."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.keys import BlockKeyer, InvalidTokens, reference_keys
+
+#: Pinned test vector (also in docs/protocol.md): changing the key function breaks every
+#: deployed agent/gateway pair, so it must be a deliberate protocol version change.
+VECTOR_SEED = "kvroute-test-vector"
+VECTOR_ROOT = 0x7BBE34DCF7BAE205
+VECTOR_KEYS = [15225148760064851001, 15175461092400971817]
+
+tokens = st.lists(st.integers(0, 2**31 - 1), max_size=200)
+
+
+def test_pinned_vector() -> None:
+    k = BlockKeyer(VECTOR_SEED, 16)
+    assert k.root_state() == VECTOR_ROOT
+    assert k.keys(list(range(1, 33))) == VECTOR_KEYS
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens, st.sampled_from([1, 2, 16, 64, 100, 512]))
+def test_vectorised_equals_reference_recurrence(toks: list[int], bs: int) -> None:
+    k = BlockKeyer("s", bs)
+    assert k.keys(toks) == reference_keys(k, toks)
+    assert k.keys(np.array(toks, dtype=np.int64)) == reference_keys(k, toks)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens, st.integers(0, 200))
+def test_chain_continues_from_any_parent(toks: list[int], cut: int) -> None:
+    k = BlockKeyer("s", 4)
+    full = k.keys(toks)
+    b = min(cut // 4, len(full))
+    if b:
+        assert k.keys(toks[4 * b :], parent=full[b - 1]) == full[b:]
+    assert k.extend(full[:b], toks) == full
+
+
+def test_partial_tail_is_never_keyed_and_keys_are_64_bit() -> None:
+    k = BlockKeyer("s", 16)
+    assert k.keys(list(range(15))) == []
+    ks = k.keys(list(range(16 * 50 + 7)))
+    assert len(ks) == 50 and len(set(ks)) == 50
+    assert all(0 <= x < 2**64 for x in ks)
+
+
+def test_seed_and_block_size_change_every_key() -> None:
+    toks = list(range(64))
+    a = BlockKeyer("a", 16).keys(toks)
+    assert set(a).isdisjoint(BlockKeyer("b", 16).keys(toks))
+    assert set(a).isdisjoint(BlockKeyer("a", 32).keys(toks))
+
+
+def test_prefix_identity() -> None:
+    """Equal keys at block i <=> equal token prefixes (no collisions on near-misses)."""
+    k = BlockKeyer("s", 16)
+    base = list(range(1000, 1000 + 16 * 8))
+    ka = k.keys(base)
+    for pos in range(0, len(base), 7):
+        other = list(base)
+        other[pos] += 1
+        kb = k.keys(other)
+        first = pos // 16
+        assert ka[:first] == kb[:first]
+        assert all(x != y for x, y in zip(ka[first:], kb[first:], strict=True))
+
+
+@pytest.mark.parametrize("bad", [[-1] + [0] * 15, [2**31] + [0] * 15, ["x"] * 16, [1.5] * 16])
+def test_invalid_tokens_rejected(bad: list) -> None:
+    with pytest.raises(InvalidTokens):
+        BlockKeyer("s", 16).keys(bad)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        BlockKeyer("s", 0)
+    k = BlockKeyer("s", 16)
+    with pytest.raises(ValueError):
+        k.keys(list(range(16)), parent=-1)
+    with pytest.raises(ValueError):
+        k.extend([1, 2, 3], list(range(16)))
