@@ -329,11 +329,11 @@ class MemoryBus(EventBus):
         out = self._collect(positions, count)
         if out or not block_ms:
             return out
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait(), block_ms / 1000)
-            except TimeoutError:
-                return []
+        try:
+            async with self._changed, asyncio.timeout(block_ms / 1000):
+                await self._changed.wait()
+        except TimeoutError:
+            return []
         self._check()
         return self._collect(positions, count)
 

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 # name -> (module, one-line help). A component adds its line here when it works.
 COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("gateway.main", "run the cache-aware routing gateway"),
+    "demo": ("loadtest.demo", "the main job: the whole system under load, kvroute vs round robin"),
+    "loadtest": ("loadtest.cli", "drive load at an endpoint, or compare routers on a sim cluster"),
     "bench": ("loadtest.benchmarks", "run a benchmark and print JSON + a table"),
     "sim": ("loadtest.enginesim.cli", "run simulated vLLM/SGLang GPU workers"),
     "agent": ("worker_agent.cli", "run the worker agent beside one engine"),

@@ -15,7 +15,6 @@ Two layers:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -180,6 +179,18 @@ class StreamApplier:
             index.removed(worker, removes)
 
 
+async def wait_event(event: asyncio.Event, seconds: float) -> bool:
+    """Wait for ``event`` up to ``seconds``; True if set. (``asyncio.timeout``, not
+    ``wait_for``: on Python 3.11 ``wait_for`` can swallow a cancellation that races its
+    timeout, and a loop that swallows its cancellation never stops.)"""
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+        return True
+    except TimeoutError:
+        return False
+
+
 def _id_after(a: str, b: str) -> bool:
     am, _, an = a.partition("-")
     bm, _, bn = b.partition("-")
@@ -251,6 +262,7 @@ class Consumer:
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
         self._synced = asyncio.Event()
+        self._stopping = False
         self._polled = False
 
     # -- read side for the gateway ----------------------------------------------------------
@@ -266,7 +278,8 @@ class Consumer:
 
     async def wait_synced(self, within: float | None = None) -> None:
         """Until the registry was read and every worker bootstrapped once."""
-        await asyncio.wait_for(self._synced.wait(), within)
+        async with asyncio.timeout(within):
+            await self._synced.wait()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -277,11 +290,13 @@ class Consumer:
         ]
 
     async def stop(self) -> None:
+        """Cancel the loops; a loop whose cancellation a client library swallowed still
+        ends at its next iteration (the stop flag), so this never hangs."""
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
         self._tasks = []
 
     async def __aenter__(self) -> Consumer:
@@ -295,24 +310,24 @@ class Consumer:
 
     async def _read_loop(self) -> None:
         backoff = self.config.backoff_min
-        while True:
+        while not self._stopping:
             try:
                 await self._bootstrap_pending()
-                await self._read_once()
-                self._bus_ok()
+                if await self._read_once():
+                    self._bus_ok()
                 backoff = self.config.backoff_min
             except BusError as exc:
                 self._bus_failed(exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.backoff_max)
 
-    async def _read_once(self) -> None:
+    async def _read_once(self) -> bool:
+        """One XREAD over every worker's stream; False if there was nothing to read."""
         positions = {w: c.stream_id for w, c in self.applier.cursors.items() if w in self._infos}
         if not positions:
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.block_ms / 1000)
-            return
+            await wait_event(self._wake, self.config.block_ms / 1000)
+            return False
         reads = await self.bus.read(positions, self.config.read_count, self.config.block_ms)
         self.stats.reads += 1
         now = time.time()
@@ -329,6 +344,7 @@ class Consumer:
                 elif result in (Applied.GAP, Applied.CORRUPT):
                     self._pending.add(r.worker)
                     break
+        return True
 
     def _record_lag(self, now: float, entry: Entry) -> None:
         if entry.ts > 0:
@@ -368,7 +384,7 @@ class Consumer:
         self._retry_at[worker] = time.monotonic() + self.config.snapshot_retry
 
     async def _poll_loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 infos = await self.bus.workers()
                 self._update_registry(infos)

@@ -437,14 +437,21 @@ async def running_consumer(redis_url: str) -> Any:
 
 
 async def settle(consumer: Any, agents: list[Any], within: float = 10.0) -> None:
-    """Until the consumer's index equals every agent's mirror."""
+    """Until the consumer applied everything each agent published and its index equals
+    every agent's mirror."""
 
-    def equal() -> bool:
-        return all(
-            consumer.index.worker_keys(a.config.worker_id) == a.mirror_keys() for a in agents
+    def caught_up(a: Any) -> bool:
+        cur = consumer.applier.cursors.get(a.config.worker_id)
+        pub = a.publisher
+        return (
+            pub.idle.is_set()
+            and cur is not None
+            and cur.epoch == a.epoch
+            and cur.seq == pub.seq
+            and consumer.index.worker_keys(a.config.worker_id) == a.mirror_keys()
         )
 
-    await wait_until(equal, within, "consumer index == agent mirrors")
+    await wait_until(lambda: all(caught_up(a) for a in agents), within, "consumer == mirrors")
 
 
 async def drive(engine: FakeEngine, steps: int, evict: float = 0.3, batch: int = 3) -> None:
@@ -462,3 +469,14 @@ async def drive(engine: FakeEngine, steps: int, evict: float = 0.3, batch: int =
                     prefixes.pop(0)
                 events += engine.store_events(toks)
         await engine.publish(events)
+
+
+async def join(engine: FakeEngine, agent: Any) -> None:
+    """Publish empty batches until the agent's SUB socket gets one (the ZMQ slow joiner)."""
+    seen = agent.metrics.value("frames_received_total")
+
+    async def probe() -> bool:
+        await engine.publish([])
+        return bool(agent.metrics.value("frames_received_total") > seen)
+
+    await wait_until(probe, 10, "subscriber joined")

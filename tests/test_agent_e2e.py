@@ -11,6 +11,7 @@ from agent_helpers import (
     FakeEngine,
     agent_config,
     drive,
+    join,
     running_agent,
     running_consumer,
     settle,
@@ -84,9 +85,7 @@ async def test_unrecoverable_gap_clears_and_resyncs(redis_server: RedisServer, r
             running_consumer(redis_server.url) as consumer,
             running_agent(agent_config(engine), redis_server.url) as agent,
         ):
-            while agent.metrics.value("frames_received_total") == 0:  # SUB joined
-                await engine.publish([])
-                await wait_until(lambda: True)
+            await join(engine, agent)
             await drive(engine, 5)
             for _ in range(4):
                 await engine.publish(engine.store_events(engine.random_tokens([])), send=False)
@@ -167,6 +166,7 @@ async def test_redis_outage_is_buffered_without_loss(redis_server: RedisServer) 
             running_agent(agent_config(engine), redis_server.url) as agent,
         ):
             await drive(engine, 10)
+            await wait_until(lambda: agent.mirror_keys() == engine.expected_keys(KEYER))
             await settle(consumer, [agent])
             redis_server.kill()
             await drive(engine, 20)
@@ -194,6 +194,7 @@ async def test_redis_outage_overflow_publishes_clear_and_snapshot(
             running_agent(cfg, redis_server.url) as agent,
         ):
             await drive(engine, 5)
+            await wait_until(lambda: agent.mirror_keys() == engine.expected_keys(KEYER))
             await settle(consumer, [agent])
             redis_server.kill()
             await drive(engine, 40)
@@ -217,10 +218,9 @@ async def test_agent_restart_new_epoch_drops_old_state(redis_server: RedisServer
     try:
         async with running_consumer(redis_server.url) as consumer:
             async with running_agent(agent_config(engine), redis_server.url) as first:
-                while first.metrics.value("frames_received_total") == 0:
-                    await engine.publish([])
-                    await wait_until(lambda: True)
+                await join(engine, first)
                 await drive(engine, 10)
+                await wait_until(lambda: first.mirror_keys() == engine.expected_keys(KEYER))
                 await settle(consumer, [first])
                 old_epoch = first.epoch
                 assert consumer.index.worker_keys("w1")
@@ -228,9 +228,7 @@ async def test_agent_restart_new_epoch_drops_old_state(redis_server: RedisServer
                 assert second.epoch > old_epoch
                 # without replay the new run knows nothing of the old cache: the index drops it
                 await wait_until(lambda: consumer.index.worker_keys("w1") == set(), 2, "dropped")
-                while second.metrics.value("frames_received_total") == 0:
-                    await engine.publish([])
-                    await wait_until(lambda: True)
+                await join(engine, second)
                 tokens = engine.random_tokens([])
                 await engine.publish(engine.store_events(tokens))
                 await settle(consumer, [second])

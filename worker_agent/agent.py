@@ -11,7 +11,6 @@ flushes what is buffered and deregisters the worker.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -36,7 +35,7 @@ from worker_agent.engines.base import (
 )
 from worker_agent.metrics import AgentMetrics
 from worker_agent.pipeline import EventPipeline
-from worker_agent.publisher import Publisher
+from worker_agent.publisher import Publisher, wait_event
 from worker_agent.subscriber import RankSubscriber
 
 __all__ = ["Agent"]
@@ -71,6 +70,7 @@ class Agent:
         self.engine_block_size: int | None = config.engine.block_size
         self._capacity = _Capacity()
         self._session: aiohttp.ClientSession | None = None
+        self._stopping = False  # loops end at their next iteration
 
     def mirror_keys(self) -> frozenset[int]:
         """The canonical keys published for this worker (what consumers must hold)."""
@@ -117,11 +117,11 @@ class Agent:
             await stop.wait()
             await self._shutdown(tasks)
         finally:
+            self._stopping = self.publisher.stopping = True
             for t in tasks:
                 t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+            if tasks:  # bounded: a client library may swallow a cancellation
+                await asyncio.wait(tasks, timeout=5)
             if runner is not None:
                 await runner.cleanup()
             await self._session.close()
@@ -158,7 +158,7 @@ class Agent:
 
     async def _supervise(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
         delay = 0.1
-        while True:
+        while not self._stopping:
             try:
                 await loop()
                 return
@@ -197,8 +197,7 @@ class Agent:
                         f"engine at {eng.url} gave no event sources: {exc}"
                     ) from None
                 log.info("waiting for the engine's event sources: %s", exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1.0)
+                await wait_event(stop, 1.0)
         return None
 
     async def _discover(self) -> Discovery:
@@ -239,9 +238,8 @@ class Agent:
         )
 
     async def _heartbeat_loop(self) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.publisher.started.wait(), 2.0)
-        while True:
+        await wait_event(self.publisher.started, 2.0)
+        while not self._stopping:
             try:
                 await self.bus.register(self.worker_info(), self.config.registration_ttl)
             except BusError:
@@ -251,7 +249,7 @@ class Agent:
     async def _report_loop(self) -> None:
         failing = False
         ttl = max(2.0, 4 * self.config.report_interval)
-        while True:
+        while not self._stopping:
             started = time.monotonic()
             try:
                 samples = await self._scrape()

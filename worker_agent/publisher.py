@@ -98,6 +98,7 @@ class Publisher:
         self._wake = asyncio.Event()
         self.started = asyncio.Event()  # set after the first acknowledged write
         self.idle = asyncio.Event()  # set whenever nothing is queued or unsent
+        self.stopping = False  # ends ``run`` at its next iteration
 
     # -- input (synchronous, from the pipeline) ---------------------------------------------
 
@@ -122,14 +123,12 @@ class Publisher:
 
     async def run(self) -> None:
         backoff = self.settings.backoff_min
-        while True:
+        while not self.stopping:
             if not self._has_work():
                 self.idle.set()
                 self._wake.clear()
-                timeout = max(0.0, self._next_snapshot - time.monotonic())
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                except TimeoutError:
+                due_in = max(0.0, self._next_snapshot - time.monotonic())
+                if not await wait_event(self._wake, due_in):
                     self._snapshot_due = True
             try:
                 await self._step()
@@ -144,11 +143,7 @@ class Publisher:
     async def flush(self, within: float) -> bool:
         """Wait until everything queued so far is acknowledged (graceful shutdown)."""
         self._wake.set()
-        try:
-            await asyncio.wait_for(self.idle.wait(), within)
-            return True
-        except TimeoutError:
-            return False
+        return await wait_event(self.idle, within)
 
     def _has_work(self) -> bool:
         st = self._st
@@ -272,6 +267,18 @@ class Publisher:
             log.warning("event bus unavailable, buffering events: %s", exc)
         self._connected = ok
         self.metrics.connected.set(1 if ok else 0)
+
+
+async def wait_event(event: asyncio.Event, seconds: float) -> bool:
+    """Wait for ``event`` up to ``seconds``; True if set. (``asyncio.timeout``, not
+    ``wait_for``: on Python 3.11 ``wait_for`` can swallow a cancellation that races its
+    timeout, and a loop that swallows its cancellation never stops.)"""
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+        return True
+    except TimeoutError:
+        return False
 
 
 def _size(ev: Event) -> int:

@@ -86,7 +86,8 @@ async def replay(
             if remaining <= 0:
                 return None
             try:
-                frames = await asyncio.wait_for(sock.recv_multipart(), remaining)
+                async with asyncio.timeout(remaining):
+                    frames = await sock.recv_multipart()
             except TimeoutError:
                 return None
             if len(frames) < 2:

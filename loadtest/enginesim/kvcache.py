@@ -297,7 +297,7 @@ class RadixCache:
                 del parent.children[node.key]
                 node.parent = None
                 self._nodes -= 1
-                if False:
+                if parent.parent is not None and parent.ref == 0 and not parent.children:
                     self._push(parent)
             self.allocator.free(removed)
             self.cached_blocks -= len(removed)

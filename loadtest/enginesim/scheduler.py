@@ -248,7 +248,9 @@ class EngineCore:
         dt = self.timing.step_seconds(prefill_tokens, n_dec, self.kv_usage)
         k = 1
         if until is not None and not chunks:
-            k = max(1, min(self._steps_to_next_finish(), int((until - start) / dt)))
+            k = self._steps_to_next_finish()
+            if until - start < k * dt:
+                k = max(1, int((until - start) / dt))
         end = start + k * dt
         if n_dec:
             self._decode(k, end, res.finished)

@@ -1,0 +1,47 @@
+# syntax=docker/dockerfile:1
+# kvroute: one image for the gateway (`kvroute gateway`) and the worker agent (`kvroute agent`).
+#
+#   docker build -t <registry>/kvroute:0.1.0 .
+#   docker run --rm -p 8000:8000 -v $PWD/gateway.yaml:/etc/kvroute/gateway.yaml:ro \
+#     <registry>/kvroute:0.1.0 gateway --config /etc/kvroute/gateway.yaml --host 0.0.0.0
+#
+# The Helm chart in deploy/helm/kvroute runs it with a read-only root file system as UID 10001.
+
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+
+# ---- build: install kvroute and its dependencies into a virtualenv -------------------------
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+RUN python -m venv /opt/kvroute
+WORKDIR /src
+# Dependencies first (a layer that survives source edits), then the package itself.
+COPY pyproject.toml README.md ./
+RUN /opt/kvroute/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/requirements.txt \
+    && /opt/kvroute/bin/pip install -r /tmp/requirements.txt
+COPY gateway/ gateway/
+COPY worker_agent/ worker_agent/
+COPY loadtest/ loadtest/
+RUN /opt/kvroute/bin/pip install --no-deps . \
+    && /opt/kvroute/bin/kvroute gateway --help > /dev/null \
+    && /opt/kvroute/bin/kvroute agent --help > /dev/null
+
+# ---- runtime --------------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE}
+LABEL org.opencontainers.image.title="kvroute" \
+      org.opencontainers.image.description="Cache-aware routing gateway for LLM inference (gateway and worker agent)" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN groupadd --system --gid 10001 kvroute \
+    && useradd --system --uid 10001 --gid kvroute --no-create-home \
+       --home-dir /nonexistent --shell /usr/sbin/nologin kvroute
+COPY --from=build /opt/kvroute /opt/kvroute
+ENV PATH=/opt/kvroute/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /tmp
+USER 10001:10001
+# 8000: gateway API and /metrics; 9400: agent /metrics (as the Helm chart configures them)
+EXPOSE 8000 9400
+ENTRYPOINT ["kvroute"]
+CMD ["--help"]
