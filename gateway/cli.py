@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("loadtest.benchmarks", "run a benchmark and print JSON + a table"),
     "sim": ("loadtest.enginesim.cli", "run simulated vLLM/SGLang GPU workers"),
     "agent": ("worker_agent.cli", "run the worker agent beside one engine"),
+    "simulate": ("loadtest.simulate", "offline cluster simulator: routing quality at scale"),
 }
 
 

@@ -60,7 +60,7 @@ def load_config(
     for path, value in _env_assignments(cls, env or {}, env_prefix).items():
         _assign(data, path, value)
     for path, value in (overrides or {}).items():
-        _assign(data, path, _parse_scalar(value) if isinstance(value, str) else value)
+        _assign(data, path, _Raw(value) if isinstance(value, str) else value)
     return _build(cls, data, "")
 
 
@@ -71,7 +71,7 @@ def parse_assignments(items: list[str] | None) -> dict[str, Any]:
         path, sep, raw = item.partition("=")
         if not sep or not path:
             raise ConfigError(f"--set expects PATH=VALUE, got {item!r}")
-        out[path.strip()] = _parse_scalar(raw)
+        out[path.strip()] = _Raw(raw)
     return out
 
 
@@ -87,6 +87,12 @@ def to_dict(obj: Any) -> Any:
 
 
 # -- internals -------------------------------------------------------------------------------
+
+
+class _Raw(str):
+    """A setting's text from the environment or a flag, not parsed yet: a string setting
+    takes it verbatim (a secret like ``true`` or ``0x1F`` stays a string); other types
+    parse it as YAML (``5``, ``true``, ``[a, b]``)."""
 
 
 def _parse_scalar(raw: str) -> Any:
@@ -130,7 +136,7 @@ def _env_assignments(cls: type, env: Mapping[str, str], prefix: str) -> dict[str
             continue
         parts = [p.lower() for p in name[len(prefix) :].split("__")]
         if _is_known_path(cls, parts):
-            out[".".join(parts)] = _parse_scalar(raw)
+            out[".".join(parts)] = _Raw(raw)
     return out
 
 
@@ -162,6 +168,10 @@ def _strip_optional(tp: Any) -> Any:
 
 def _build(tp: Any, value: Any, where: str) -> Any:
     name = where or "<root>"
+    if isinstance(value, _Raw):
+        if tp is str or tp is Any or (get_origin(tp) in (typing.Union, types.UnionType) and str in get_args(tp)):
+            return str(value)
+        value = _parse_scalar(value)
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = get_args(tp)
@@ -249,6 +259,8 @@ class ServerSettings:
 class RedisSettings:
     #: redis:// or rediss:// URL (AUTH in the URL); empty: no registry, static workers only
     url: str = ""
+    #: password (AUTH) when it is not in the URL; keep it in a secret (env KVROUTE_REDIS__PASSWORD)
+    password: str = ""
     #: CA bundle for rediss:// when the server's certificate is not in the system store
     tls_ca_file: str = ""
     connect_timeout: float = 1.0

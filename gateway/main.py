@@ -75,6 +75,8 @@ def make_bus(cfg: GatewayConfig) -> Any:
     from gateway.redis_bus import RedisBus
 
     extra: dict[str, Any] = {}
+    if cfg.redis.password:
+        extra["password"] = cfg.redis.password
     if cfg.redis.tls_ca_file:
         extra["ssl_ca_certs"] = cfg.redis.tls_ca_file
     return RedisBus(cfg.redis.url, connect_timeout=cfg.redis.connect_timeout, **extra)

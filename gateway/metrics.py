@@ -48,6 +48,8 @@ class GatewayMetrics:
         self.index_blocks = Gauge("kvroute_index_blocks", "Canonical blocks the shadow index holds per worker", pw, multiprocess_mode="max", registry=r)
         self.inflight = Gauge("kvroute_worker_inflight", "Requests in flight per worker (this gateway)", pw, multiprocess_mode="livesum", registry=r)
         self.kv_usage = Gauge("kvroute_worker_kv_usage", "KV cache usage the worker's engine reported (0..1)", pw, multiprocess_mode="max", registry=r)
+        self.pool_workers = Gauge("kvroute_pool_workers", "Workers registered in the pool", ["pool"], multiprocess_mode="max", registry=r)
+        self.pool_healthy = Gauge("kvroute_pool_healthy_workers", "Workers of the pool that may receive requests", ["pool"], multiprocess_mode="min", registry=r)
         self.decision = Histogram("kvroute_routing_decision_seconds", "Routing decision time (index lookup + scoring)", ["pool"], buckets=_FAST, registry=r)
         self.tokenize = Histogram("kvroute_tokenization_seconds", "Tokenization time per request", ["pool", "kind"], buckets=_FAST + (0.25, 1.0), registry=r)
         self.cost_scale = Gauge("kvroute_cost_model_scale", "Online calibration factor of the TTFT cost model", ["pool"], multiprocess_mode="max", registry=r)

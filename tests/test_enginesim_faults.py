@@ -4,14 +4,12 @@ pause/resume, slow down, dropped event batches, refused connections."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
-from test_enginesim_server import Tap, post, replay
+from test_enginesim_server import Tap, post, replay, until
 
 from loadtest.enginesim.cluster import SimCluster
 from loadtest.enginesim.config import SimConfig, TimingConfig
@@ -20,14 +18,6 @@ from loadtest.enginesim.config import SimConfig, TimingConfig
 def config(**kw: object) -> SimConfig:
     kw.setdefault("timing", TimingConfig(speedup=1000.0))
     return SimConfig(tokenizer="none", **kw)  # type: ignore[arg-type]
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll a condition the test can observe (bounded)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.002)
 
 
 async def refused(url: str) -> bool:
@@ -65,24 +55,27 @@ async def test_kill_then_restart_via_python() -> None:
 
 async def test_restart_resets_the_sequence_seen_by_a_subscriber() -> None:
     ctx = zmq.asyncio.Context()
-    try:
-        async with SimCluster(config(), tokenizer=None) as cluster, aiohttp.ClientSession() as s:
-            w = cluster.workers[0]
-            tap = Tap(ctx, w)
+    async with SimCluster(config(), tokenizer=None) as cluster, aiohttp.ClientSession() as s:
+        w = cluster.workers[0]
+        tap = Tap(ctx, w)
+        try:
             await tap.sync(s)
             assert tap.next > 0
             # restart through the worker's own admin endpoint
             st, state = await post(s, w.http_url + "/sim/fault", {"action": "restart"})
             assert st == 200 and state["alive"] and state["next_seq"] == 0
-            tap.next = 0  # a subscriber sees the sequence start over
+            # The subscriber reconnects by itself; the sequence starts over at 0 and the
+            # hashes chain from an empty cache.
+            tap.next = 0
             tap.checker.digest.clear()
+            await tap.sync(s)
             st, _ = await post(s, w.http_url + "/v1/completions", {"prompt": [1] * 40})
             assert st == 200
             events = await tap.drain()
             assert events[-1]["type"] == "BlockStored"
+        finally:
             tap.close()
-    finally:
-        ctx.term()
+    ctx.term()
 
 
 async def test_pause_stops_stepping_and_resume_continues() -> None:
@@ -123,10 +116,10 @@ async def test_slow_down_stretches_steps() -> None:
 
 async def test_dropped_batches_make_a_gap_that_replay_fills() -> None:
     ctx = zmq.asyncio.Context()
-    try:
-        async with SimCluster(config(), tokenizer=None) as cluster, aiohttp.ClientSession() as s:
-            w = cluster.workers[0]
-            tap = Tap(ctx, w)
+    async with SimCluster(config(), tokenizer=None) as cluster, aiohttp.ClientSession() as s:
+        w = cluster.workers[0]
+        tap = Tap(ctx, w)
+        try:
             await tap.sync(s)
             missing = tap.next
             await post(s, w.http_url + "/sim/fault", {"action": "drop_events", "count": 2})
@@ -138,9 +131,9 @@ async def test_dropped_batches_make_a_gap_that_replay_fills() -> None:
             assert int.from_bytes(seq, "big") == missing + 2  # two batches never arrived
             got = await replay(ctx, w, missing, missing + 2)
             assert [int.from_bytes(f[-2], "big") for f in got] == [missing, missing + 1]
+        finally:
             tap.close()
-    finally:
-        ctx.term()
+    ctx.term()
 
 
 async def test_refuse_and_accept_connections_via_cluster_admin() -> None:

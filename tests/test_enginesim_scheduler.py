@@ -167,6 +167,18 @@ def test_outputs_are_cached_for_the_next_turn() -> None:
     assert core.lookup(follow) == 16  # 10 + 8 computed tokens -> 4 full blocks
 
 
+def test_outputs_not_cached_when_disabled() -> None:
+    core = EngineCore(
+        CacheConfig(kv_blocks=64, block_size=4, cache_outputs=False),
+        SchedulerConfig(),
+        timing_model("mocker"),
+    )
+    p = prompt(10, 12)
+    core.add_request(p, 9, now=0.0)
+    run_all(core)
+    assert core.lookup(p + core.output_token_ids(0, 9) + [7]) == 8  # the prompt's blocks only
+
+
 def test_abort_frees_everything() -> None:
     core = make_core(blocks=100)
     a = core.add_request(prompt(200, 13), 100, now=0.0)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -23,7 +24,7 @@ from loadtest.enginesim.config import (
     SimConfig,
     TimingConfig,
 )
-from loadtest.enginesim.text import load_tokenizer
+from loadtest.enginesim.text import TextCodec, load_tokenizer
 from loadtest.enginesim.worker import SimWorker
 
 FAST = TimingConfig(speedup=1000.0)
@@ -39,6 +40,14 @@ def tokenizer() -> Tokenizer:
 def sim_config(**kw: Any) -> SimConfig:
     kw.setdefault("timing", FAST)
     return SimConfig(**kw)
+
+
+async def until(cond: Callable[[], bool], limit: float = 5.0) -> None:
+    """Poll a condition the test can observe, for at most ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.002)
 
 
 async def post(s: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
@@ -115,7 +124,9 @@ class Tap:
         self.sub.close()
 
 
-async def replay(ctx: zmq.asyncio.Context, worker: SimWorker, start: int, end: int) -> list[list[bytes]]:
+async def replay(
+    ctx: zmq.asyncio.Context, worker: SimWorker, start: int, end: int
+) -> list[list[bytes]]:
     """Batches ``start..end-1`` from the worker's replay socket."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -160,9 +171,9 @@ async def test_repeated_prefix_hits_and_events_decode(
             await tap.sync(s)
             url = w.http_url + "/v1/completions"
             prefix = list(range(1000, 1040))  # 10 blocks
-            st, a = await post(s, url, {"prompt": prefix + [1, 2, 3, 4, 5, 6], "max_tokens": 2})
+            st, a = await post(s, url, {"prompt": [*prefix, 1, 2, 3, 4, 5, 6], "max_tokens": 2})
             assert st == 200 and a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            st, b = await post(s, url, {"prompt": prefix + [7, 8, 9, 10, 11], "max_tokens": 2})
+            st, b = await post(s, url, {"prompt": [*prefix, 7, 8, 9, 10, 11], "max_tokens": 2})
             assert st == 200 and b["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
             assert b["usage"]["prompt_tokens"] == 45 and b["usage"]["completion_tokens"] == 2
             for i in range(4):  # unrelated 15-block prompts push the prefix out of 48 blocks
@@ -221,16 +232,31 @@ async def test_chat_is_tokenized_with_the_template(tokenizer: Tokenizer) -> None
         items = await sse(s, url, {"messages": turn2, "max_tokens": 3, "stream": True,
                                    "stream_options": {"include_usage": True}})  # fmt: skip
         assert items[0]["choices"][0]["delta"]["role"] == "assistant"
-        assert "".join(c["choices"][0]["delta"].get("content", "") for c in items[:-2]) == " the" * 3
+        assert (
+            "".join(c["choices"][0]["delta"].get("content", "") for c in items[:-2]) == " the" * 3
+        )
         cached = items[-2]["usage"]["prompt_tokens_details"]["cached_tokens"]
         # the whole first turn, answer included, was cached (minus the partial block)
         first_len = len(tokenizer.encode_chat(turn1)) + 8 - 1
         assert cached == first_len // 16 * 16
-        st, tok = await post(s, cluster.workers[0].http_url + "/tokenize", {"messages": turn1})
+        base = cluster.workers[0].http_url
+        st, tok = await post(s, base + "/tokenize", {"messages": turn1})
         assert st == 200 and tok["tokens"] == tokenizer.encode_chat(turn1)
+        st, text = await post(s, base + "/detokenize", {"tokens": tok["tokens"]})
+        assert st == 200 and text["prompt"] == tokenizer.decode(tok["tokens"])
+        st, _ = await post(s, base + "/detokenize", {"tokens": [2**40]})
+        assert st == 400
         st, text = await post(s, cluster.workers[0].http_url + "/v1/completions",
                               {"prompt": "Hello world", "max_tokens": 1})  # fmt: skip
         assert st == 200 and text["usage"]["prompt_tokens"] == len(tokenizer.encode("Hello world"))
+
+
+def test_output_text_of_a_multi_token_pattern(tokenizer: Tokenizer) -> None:
+    codec = TextCodec(tokenizer, " the quick brown fox")
+    pieces = [tokenizer.decode([i]) for i in codec.output_ids]
+    assert len(pieces) > 1 and "".join(pieces) == " the quick brown fox"
+    for a, b in ((0, 0), (0, 1), (1, 7), (3, 4), (2, 13)):
+        assert codec.output_text(a, b) == "".join(pieces[i % len(pieces)] for i in range(a, b))
 
 
 # -- bad input -------------------------------------------------------------------------------
@@ -277,7 +303,7 @@ async def test_bad_input_gets_openai_style_4xx(tokenizer: Tokenizer) -> None:
                 assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
         async with s.get(comp) as r:
             assert r.status == 405 and (await r.json())["error"]["code"] == 405
-        st, ok = await post(s, comp, {"prompt": [1, 2, 3], "max_tokens": 1})
+        st, _ = await post(s, comp, {"prompt": [1, 2, 3], "max_tokens": 1})
         assert st == 200  # still serving
 
 
@@ -312,6 +338,12 @@ async def test_vllm_metrics_and_endpoints(zctx: zmq.asyncio.Context) -> None:
         for name in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                      "vllm:inter_token_latency_seconds_count"):  # fmt: skip
             metric(text, name)
+        for path, key in (("/load", "server_load"), ("/version", "version"),
+                          ("/sim/state", "stats")):  # fmt: skip
+            async with s.get(w.http_url + path) as r:
+                assert r.status == 200 and key in await r.json()
+        async with s.get(w.http_url + "/ping") as r:
+            assert r.status == 200
         async with s.get(w.http_url + "/kv_event_sources") as r:
             (src,) = await r.json()
         assert src == {"data_parallel_rank": 0, "endpoint": w.events_endpoint,
@@ -322,8 +354,7 @@ async def test_vllm_metrics_and_endpoints(zctx: zmq.asyncio.Context) -> None:
             await stream.content.readline()  # the first token: the request is running
             st, res = await post(s, w.http_url + "/reset_prefix_cache", {})
             assert st == 200 and res == {"success": False}
-        while w.busy:  # the aborted stream leaves the engine
-            await asyncio.sleep(0.005)
+        await until(lambda: not w.busy)  # the aborted stream leaves the engine
         st, res = await post(s, w.http_url + "/reset_prefix_cache", {})
         assert res == {"success": True}
         assert w.core.cache.cached_blocks == 0
@@ -354,9 +385,19 @@ async def test_sglang_endpoints_and_metrics(zctx: zmq.asyncio.Context) -> None:
         async with s.get(w.http_url + "/metrics") as r:
             text = await r.text()
         assert metric(text, "sglang:cache_hit_rate") > 0
-        for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
-                     "sglang:max_total_num_tokens", "sglang:kv_used_tokens",
-                     "sglang:prompt_tokens_total", "sglang:time_to_first_token_seconds_count"):
+        async with s.get(w.http_url + "/get_load") as r:
+            assert (await r.json())[0]["num_reqs"] == 0
+        async with s.get(w.http_url + "/v1/loads") as r:
+            assert (await r.json())["loads"][0]["cache_hit_rate"] > 0
+        for name in (
+            "sglang:num_running_reqs",
+            "sglang:num_queue_reqs",
+            "sglang:token_usage",
+            "sglang:max_total_num_tokens",
+            "sglang:kv_used_tokens",
+            "sglang:prompt_tokens_total",
+            "sglang:time_to_first_token_seconds_count",
+        ):
             metric(text, name)  # fmt: skip
         assert 'engine_type="unified"' in text
         body = {"input_ids": [3] * 10, "sampling_params": {"max_new_tokens": 2000}, "stream": True}
@@ -364,8 +405,7 @@ async def test_sglang_endpoints_and_metrics(zctx: zmq.asyncio.Context) -> None:
             await stream.content.readline()
             async with s.post(w.http_url + "/flush_cache") as r:
                 assert r.status == 400
-        while w.busy:
-            await asyncio.sleep(0.005)
+        await until(lambda: not w.busy)
         async with s.get(w.http_url + "/flush_cache") as r:
             assert r.status == 200
         assert w.core.cache.cached_blocks == 0

@@ -1,13 +1,22 @@
 """One engine publisher (one DP rank) → ordered engine batches, recovering from gaps.
 
 The live path is a ZMQ SUB socket (3 frames: topic, 8-byte big-endian seq, payload).
-``SeqTracker`` (pure) classifies each seq: the next one, a gap (replay it through a DEALER
-from the replay endpoint: ``[b"", start_seq]`` → ``[..., seq, payload]`` frames until the
-end marker ``ff*8`` or an empty payload, the last two frames taken as (seq, payload) so
-both replay layouts work), a duplicate (already replayed), or a restart (seq went
-backwards: the engine's cache is gone, the rank is cleared). A gap the replay buffer no
-longer covers (or no replay endpoint) clears the rank and carries on from what is known:
-after a clear, partial history can only under-claim, never lie.
+``SeqTracker`` (pure) classifies each seq: the next one, a gap, a duplicate (already
+replayed), or a restart (seq went backwards: the engine's cache is gone, the rank is
+cleared).
+
+Replay is a DEALER request ``[b"", start_seq]`` to the replay endpoint, answered by
+``[..., seq, payload]`` frames until the end marker ``ff*8`` or an empty payload; the last
+two frames are taken as (seq, payload) so both replay layouts work.
+
+Sequence numbers alone cannot tell a restarted engine that already published past what we
+expected from the one we were following, so continuity is *proven*, not assumed: a gap is
+replayed from the last batch we applied, and that batch's bytes must match (a new
+publisher's batch of the same seq has another timestamp). The same proof is asked after
+the SUB socket reconnects (a socket monitor sees the publisher go and come back), which
+catches a restarted engine that has published nothing yet. Without proof (no replay
+endpoint, buffer too short, bytes differ) the rank is cleared and carries on from what it
+sees: after a clear, partial history can only under-claim, never lie.
 
 At start the subscriber replays from seq 0 so that an agent started beside a running engine
 learns what the engine's replay buffer still holds.
@@ -23,6 +32,7 @@ from typing import Protocol
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from worker_agent.engines.base import EventSource
 from worker_agent.metrics import AgentMetrics
@@ -53,6 +63,7 @@ class SeqTracker:
 
     expected: int | None = None  # next seq to apply; None: take the first one seen
     dup_until: int | None = None  # seqs up to this were replayed: live copies are duplicates
+    digest: int | None = None  # hash of the payload of batch ``expected - 1``
 
     def classify(self, seq: int) -> Verdict:
         if self.expected is None or seq == self.expected:
@@ -65,8 +76,18 @@ class SeqTracker:
             return Verdict.DUPLICATE
         return Verdict.RESTART
 
-    def applied(self, seq: int) -> None:
+    def applied(self, seq: int, payload: bytes) -> None:
         self.expected = seq + 1
+        self.digest = hash(payload)
+
+    def continues(self, batches: list[tuple[int, bytes]]) -> bool:
+        """Whether replayed ``batches`` contain our last applied batch, byte for byte."""
+        if self.expected is None:
+            return True
+        if self.expected == 0 or self.digest is None:
+            return bool(batches) and batches[0][0] <= self.expected
+        last = self.expected - 1
+        return any(seq == last and hash(p) == self.digest for seq, p in batches)
 
 
 async def replay(
@@ -121,21 +142,55 @@ class RankSubscriber:
         self.rcvhwm = rcvhwm
         self.tracker = SeqTracker()
         self.connected = asyncio.Event()  # set once the SUB socket is connected and synced
+        self._lock = asyncio.Lock()  # one of: a live batch, a recovery, a reconnect check
+        self._lost = False  # the publisher disconnected and has not come back yet
 
     async def run(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.source.endpoint)
+        watcher = asyncio.create_task(self._watch_connection(monitor))
         try:
-            await self._initial_sync()
+            async with self._lock:
+                await self._initial_sync()
             self.connected.set()
             while True:
                 frames = await sub.recv_multipart()
-                await self._on_frames(frames)
+                async with self._lock:
+                    if await self._drain_monitor(monitor):  # before trusting the batch
+                        await self._check_after_reconnect()
+                    await self._on_frames(frames)
         finally:
+            watcher.cancel()
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        """Check a reconnection even if the publisher sends nothing afterwards."""
+        while True:
+            await monitor.poll()
+            async with self._lock:
+                if await self._drain_monitor(monitor):
+                    await self._check_after_reconnect()
+
+    async def _drain_monitor(self, monitor: zmq.asyncio.Socket) -> bool:
+        """Read pending socket events; True if the publisher came back after going away."""
+        back = False
+        while True:
+            try:
+                frames = await monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return back
+            event = parse_monitor_message(frames)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._lost = True
+            elif event == zmq.EVENT_CONNECTED and self._lost:
+                self._lost = False
+                back = True
 
     async def _initial_sync(self) -> None:
         if self.source.replay is None:
@@ -144,9 +199,22 @@ class RankSubscriber:
         self.metrics.replays.labels("initial" if got is not None else "unavailable").inc()
         if got is not None:  # replay works: nothing before the first batch can be missed
             self.tracker.expected = got[0][0] if got else 0
+            await self._apply_run(got)
+
+    async def _check_after_reconnect(self) -> None:
+        """The publisher went away and came back: same history, or a restarted engine?"""
+        if self.tracker.expected is None:
+            return
+        got = None
+        if self.source.replay is not None:
+            got = await replay(self.ctx, self.source.replay, 0, self.replay_timeout)
+        if got is not None and self.tracker.continues(got):
+            self.metrics.replays.labels("reconnect").inc()
+            await self._apply_run(got)
+            return
+        self._restarted(got, "publisher reconnected with another history")
         if got:
             await self._apply_run(got)
-            self.tracker.dup_until = self.tracker.expected - 1 if self.tracker.expected else None
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -160,11 +228,8 @@ class RankSubscriber:
         if verdict is Verdict.DUPLICATE:
             return
         if verdict is Verdict.RESTART:
-            log.warning(
-                "rank %d: engine seq went back to %d: engine restarted", self.source.rank, seq
-            )
-            self.handler.on_reset(self.source.rank, "restart")
-            self.tracker = SeqTracker(expected=0)
+            self._restarted(None, f"engine seq went back to {seq}")
+            self.tracker.expected = 0
             verdict = self.tracker.classify(seq)
         if verdict is Verdict.NEXT:
             self._apply(seq, frames[2])
@@ -172,24 +237,36 @@ class RankSubscriber:
         await self._recover(seq, frames[2])
 
     async def _recover(self, seq: int, payload: bytes) -> None:
-        """Live ``seq`` arrived but ``expected`` is missing: replay, else clear."""
+        """Live ``seq`` arrived but ``expected`` is missing: replay with proof, else clear."""
         self.metrics.gaps.inc()
-        expected = self.tracker.expected
-        assert expected is not None
+        tracker = self.tracker
+        assert tracker.expected is not None
+        start = tracker.expected - 1 if tracker.expected and tracker.digest is not None else 0
         got = None
         if self.source.replay is not None:
-            got = await replay(self.ctx, self.source.replay, expected, self.replay_timeout)
+            got = await replay(self.ctx, self.source.replay, start, self.replay_timeout)
         if got is None:
             self.metrics.replays.labels("unavailable").inc()
-        elif not got or got[0][0] != expected:
-            self.metrics.replays.labels("too_old").inc()
-        else:
+        elif got and got[0][0] == start and tracker.continues(got[:1]):
             self.metrics.replays.labels("ok").inc()
+        elif got and got[0][0] == start:  # the batch we applied last is not theirs
+            full = await replay(self.ctx, self.source.replay or "", 0, self.replay_timeout)
+            self._restarted(full, "a new engine history")
+            got = full
+        else:
+            self.metrics.replays.labels("too_old").inc()
         batches = dict(got or [])
         batches.setdefault(seq, payload)
         await self._apply_run(sorted(batches.items()))
-        if self.tracker.expected is not None and self.tracker.expected > seq + 1:
-            self.tracker.dup_until = self.tracker.expected - 1
+
+    def _restarted(self, history: list[tuple[int, bytes]] | None, why: str) -> None:
+        """The engine restarted: clear the rank; ``history`` (the new engine's replay
+        buffer, if known) is applied next by the caller."""
+        log.warning("rank %d: %s: engine restarted, clearing", self.source.rank, why)
+        self.handler.on_reset(self.source.rank, "restart")
+        self.tracker = SeqTracker()
+        if history is not None:
+            self.tracker.expected = history[0][0] if history else 0
 
     async def _apply_run(self, batches: list[tuple[int, bytes]]) -> None:
         """Apply batches in seq order; a hole in them loses history: clear, carry on."""
@@ -208,7 +285,9 @@ class RankSubscriber:
             self._apply(seq, payload)
             if i % 64 == 63:
                 await asyncio.sleep(0)  # a long replay must not starve the event loop
+        if batches and self.tracker.expected is not None:
+            self.tracker.dup_until = self.tracker.expected - 1
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        self.tracker.applied(seq)
+        self.tracker.applied(seq, payload)
         self.handler.on_batch(self.source.rank, seq, payload)

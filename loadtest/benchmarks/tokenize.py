@@ -15,6 +15,9 @@ Both CPU time (all threads of the process: the cost a loaded 2-core gateway pays
 are reported; ``tokenize_followup_ratio`` is followup / cold in CPU time, since P4 bounds the
 cost of a follow-up turn and ``encode_batch`` spreads a cold chat over both cores. Every
 measured result is checked against the plain encode.
+
+Use a template whose control tokens are added tokens of the tokenizer (``deepseek-v3`` for the
+bundled one): with another family's template the chat is a single piece and nothing is reused.
 """
 
 from __future__ import annotations
@@ -29,117 +32,29 @@ from typing import Any
 from gateway.tokenization import Tokenizer, bundled_test_tokenizer
 
 NAME = "tokenize"
+P4_TARGET = 0.10  # targets.md: a follow-up turn costs at most 10% of tokenizing the chat cold
 HELP = "incremental chat tokenization: follow-up turn vs cold on an 8,000-token conversation (P4)"
 
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "that",
-    "for",
-    "it",
-    "as",
-    "with",
-    "was",
-    "on",
-    "be",
-    "by",
-    "this",
-    "are",
-    "from",
-    "at",
-    "or",
-    "an",
-    "have",
-    "not",
-    "but",
-    "which",
-    "they",
-    "we",
-    "you",
-    "all",
-    "can",
-    "more",
-    "has",
-    "will",
-    "one",
-    "were",
-    "there",
-    "their",
-    "been",
-    "if",
-    "would",
-    "so",
-    "what",
-    "about",
-    "when",
-    "up",
-    "out",
-    "them",
-    "do",
-    "into",
-    "some",
-    "could",
-    "than",
-    "then",
-    "other",
-    "its",
-    "only",
-    "two",
-    "also",
-    "time",
-    "like",
-    "new",
-    "may",
-    "any",
-    "these",
-    "over",
-    "cache",
-    "request",
-    "worker",
-    "prefix",
-    "token",
-    "latency",
-    "memory",
-    "routing",
-    "model",
-    "gateway",
-    "cluster",
-    "queue",
-    "throughput",
-    "replica",
-    "stream",
-    "index",
-    "block",
-    "engine",
-    "prompt",
-    "system",
-    "user",
-    "answer",
-    "question",
-    "because",
-    "should",
-    "before",
-    "after",
-    "while",
-    "where",
-    "first",
-    "second",
-    "every",
-    "many",
-    "most",
-    "such",
-    "each",
-]
+# Pseudo-English vocabulary for deterministic conversations.
+_WORD_TEXT = (
+    "the of and to in is that for it as with was on be by this are from at or an have not but "
+    "which they we you all can more has will one were there their been if would so what about "
+    "when up out them do into some could than then other its only two also time like new may "
+    "any these over cache request worker prefix token latency memory routing model gateway "
+    "cluster queue throughput replica stream index block engine prompt system user answer "
+    "question because should before after while where first second every many most such each"
+)
+WORDS = _WORD_TEXT.split()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=8_000, help="conversation size in tokens")
     parser.add_argument("--repeats", type=int, default=15, help="measurements per figure")
-    parser.add_argument("--template", default="deepseek-v3", help="bundled chat template")
+    parser.add_argument(
+        "--template",
+        default="deepseek-v3",
+        help="bundled chat template (of the tokenizer's family)",
+    )
     parser.add_argument("--reply-words", type=int, default=200, help="assistant reply length")
     parser.add_argument("--user-words", type=int, default=60, help="follow-up user turn length")
     parser.add_argument("--seed", type=int, default=7)
@@ -237,6 +152,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tokenize_followup_ratio": round(warm_cpu / cold_cpu, 4),
         "tokenize_followup_ratio_wall": round(warm_wall / cold_wall, 4),
         "followup_vs_full_ratio": round(warm_wall / full_wall, 4),
+        "p4_target": P4_TARGET,
+        "meets_p4": warm_cpu / cold_cpu <= P4_TARGET,
         "incremental": stats.incremental,
         "ids_identical": ok,
         "ok": ok and stats.incremental,

@@ -9,10 +9,12 @@ engines do; fields the simulator reads are type-checked.
 from __future__ import annotations
 
 import http
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 __all__ = [
     "ApiError",
@@ -23,6 +25,7 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "parse_generate",
+    "parse_token_ids",
 ]
 
 MAX_TOKEN_ID = 2**31
@@ -58,7 +61,7 @@ class GenRequest:
     max_tokens: int
     stream: bool = False
     include_usage: bool = False
-    prompt_ids: list[int] | None = None
+    prompt_tokens: bytes | None = None  # token ids given by the client, uint32 LE
     prompt_text: str | None = None
     messages: list[Any] | None = None
     tools: list[Any] | None = None
@@ -94,7 +97,7 @@ def parse_completion(body: dict[str, Any], models: set[str], default_max_tokens:
     if isinstance(prompt, str):
         req.prompt_text = prompt
     elif isinstance(prompt, list):
-        req.prompt_ids = _token_ids(prompt, "prompt")
+        req.prompt_tokens = parse_token_ids(prompt, "prompt")
     else:
         raise ApiError(400, "prompt must be a string or a list of token ids", "prompt")
     if body.get("echo") is True:
@@ -139,7 +142,7 @@ def parse_generate(body: dict[str, Any], default_max_tokens: int = 128) -> GenRe
     if isinstance(text, str):
         req.prompt_text = text
     elif isinstance(ids, list) and (not ids or _is_int(ids[0])):
-        req.prompt_ids = _token_ids(ids, "input_ids")
+        req.prompt_tokens = parse_token_ids(ids, "input_ids")
     else:
         raise ApiError(400, "Batched requests are not supported by the simulator")
     req.stream = _bool(body, "stream", False)
@@ -150,19 +153,20 @@ def parse_generate(body: dict[str, Any], default_max_tokens: int = 128) -> GenRe
     return req
 
 
-def check_prompt(ids: list[int], max_tokens: int, max_model_len: int, vocab: int | None) -> None:
+def check_prompt(tokens: bytes, max_tokens: int, max_model_len: int, vocab: int | None) -> None:
     """Engine-side checks once the prompt is tokenized (empty, vocabulary, context length)."""
-    if not ids:
+    n = len(tokens) // 4
+    if not n:
         raise ApiError(400, "The prompt cannot be empty", "prompt")
     if vocab is not None:
-        top = max(ids)
+        top = int(np.frombuffer(tokens, dtype="<u4").max())
         if top >= vocab:
             raise ApiError(400, f"Token id {top} is out of vocabulary", "prompt")
-    if len(ids) + max_tokens > max_model_len:
+    if n + max_tokens > max_model_len:
         raise ApiError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the messages, "
+            f"requested {n + max_tokens} tokens ({n} in the messages, "
             f"{max_tokens} in the completion). Please reduce the length of the messages or "
             "completion.",
             "max_tokens",
@@ -233,11 +237,17 @@ def _min_tokens(body: dict[str, Any], name: str, max_tokens: int) -> None:
         raise ApiError(400, f"{name} ({v}) must be less than or equal to max_tokens", name)
 
 
-def _token_ids(values: list[Any], param: str) -> list[int]:
-    for v in values:
-        if not _is_int(v) or not 0 <= v < MAX_TOKEN_ID:
-            raise ApiError(400, f"{param} must hold token ids in [0, 2**31), got {v!r}", param)
-    return values
+def parse_token_ids(values: list[Any], param: str) -> bytes:
+    """Token ids packed as uint32 LE, checked in C; the culprit is looked for only on failure."""
+    try:
+        data = array("I", values).tobytes()  # rejects non-integers, negatives, >= 2**32
+        ok = not data or max(data[3::4]) < 0x80  # and >= 2**31: the top byte of each id
+    except (TypeError, OverflowError):
+        ok = False
+    if not ok:
+        bad = next((v for v in values if not _is_int(v) or not 0 <= v < MAX_TOKEN_ID), None)
+        raise ApiError(400, f"{param} must hold token ids in [0, 2**31), got {bad!r}", param)
+    return data
 
 
 def _stream_flags(body: dict[str, Any], req: GenRequest) -> None:
@@ -248,5 +258,7 @@ def _stream_flags(body: dict[str, Any], req: GenRequest) -> None:
     if not isinstance(opts, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
     if not req.stream:
-        raise ApiError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+        raise ApiError(
+            400, "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
     req.include_usage = _bool(opts, "include_usage", False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 from typing import Any
@@ -66,7 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--topic", help="ZMQ topic of KV events (default empty)")
     a("--no-events", action="store_true", help="do not publish KV events")
     a("--config", help="YAML file with SimConfig settings")
-    a("--set", action="append", metavar="PATH=VALUE", help="any setting, e.g. cache.cache_outputs=false")
+    a(
+        "--set",
+        action="append",
+        metavar="PATH=VALUE",
+        help="any setting, e.g. cache.cache_outputs=false",
+    )
 
 
 def build_config(args: argparse.Namespace) -> SimConfig:
@@ -82,6 +88,9 @@ def build_config(args: argparse.Namespace) -> SimConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         config = build_config(args)
     except ConfigError as exc:

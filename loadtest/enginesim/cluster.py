@@ -19,7 +19,7 @@ from aiohttp import web
 
 from loadtest.enginesim.api import ApiError, decode_body, error_body
 from loadtest.enginesim.config import SimConfig
-from loadtest.enginesim.text import TextCodec, load_tokenizer
+from loadtest.enginesim.text import TextCodec, load_tokenizer, tokenizer_path
 from loadtest.enginesim.worker import FaultError, SimWorker
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class SimCluster:
         tokenizer = self._tokenizer
         if tokenizer is _UNSET:
             tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer, cfg.chat_template)
-        codec = TextCodec(tokenizer, cfg.output_text)
+        codec = TextCodec(tokenizer, cfg.output_text, tokenizer_path(cfg.tokenizer))
         self._zmq = zmq.asyncio.Context()
         n, base = cfg.workers, cfg.base_port
         for i in range(n):
@@ -117,7 +117,9 @@ class SimCluster:
             body = decode_body(await request.read())
             index, action = body.pop("worker", None), body.pop("action", None)
             if type(index) is not int or not 0 <= index < len(self.workers):
-                raise ApiError(400, f"worker must be an index in [0, {len(self.workers)})", "worker")
+                raise ApiError(
+                    400, f"worker must be an index in [0, {len(self.workers)})", "worker"
+                )
             if not isinstance(action, str):
                 raise ApiError(400, "action (a string) is required", "action")
             state = await self.fault(index, action, **body)
@@ -129,4 +131,6 @@ class SimCluster:
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=msgspec.json.encode(data), status=status, content_type="application/json")
+    return web.Response(
+        body=msgspec.json.encode(data), status=status, content_type="application/json"
+    )

@@ -131,7 +131,9 @@ class SimConfig:
     def __post_init__(self) -> None:
         _positive("sim", workers=self.workers, max_body_bytes=self.max_body_bytes)
         if not 0 <= self.base_port <= 65535 - 3 * self.workers:
-            raise ValueError(f"base_port {self.base_port} leaves no room for {self.workers} workers")
+            raise ValueError(
+                f"base_port {self.base_port} leaves no room for {self.workers} workers"
+            )
 
     @property
     def evict_whole_nodes(self) -> bool:

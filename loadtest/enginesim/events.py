@@ -38,129 +38,80 @@ from loadtest.enginesim.kvcache import (
 __all__ = ["EventEncoder", "WireFormat"]
 
 Hash = int | bytes
+_Fields = list[tuple[str, Any] | tuple[str, Any, Any]]
 
-# -- vLLM 0.33: tagged maps ------------------------------------------------------------------
-
-
-class _V33Event(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-class _V33BlockStored(_V33Event, tag="BlockStored"):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class _V33BlockRemoved(_V33Event, tag="BlockRemoved"):
-    block_hashes: list[Hash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class _V33AllBlocksCleared(_V33Event, tag="AllBlocksCleared"):
-    pass
-
-
-# -- vLLM 0.23: tagged arrays ----------------------------------------------------------------
-
-
-class _V23Event(msgspec.Struct, array_like=True, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-class _V23BlockStored(_V23Event, tag="BlockStored"):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+# Field lists per engine version, in wire order (engines.md §1.1, §1.2, §2.1). Fields with a
+# default are omitted from maps when they hold it; arrays always carry every field.
+_VLLM_STORED_023: _Fields = [
+    ("block_hashes", list[Hash]),
+    ("parent_block_hash", Hash | None),
+    ("token_ids", list[int]),
+    ("block_size", int),
+    ("lora_id", int | None),
+    ("medium", str | None),
+    ("lora_name", str | None),
+    ("extra_keys", list[Any] | None, None),
+    ("group_idx", int | None, None),
+    ("kv_cache_spec_kind", str | None, None),
+    ("kv_cache_spec_sliding_window", int | None, None),
+]
+_VLLM_STORED_033: _Fields = [
+    *_VLLM_STORED_023,
+    ("locality", str | None, None),
+    ("ownership", str | None, None),
+    ("session_id", str | None, None),
+    ("lookahead_token_ids", list[list[int]] | None, None),
+]
+_VLLM_REMOVED_023: _Fields = [
+    ("block_hashes", list[Hash]),
+    ("medium", str | None),
+    ("group_idx", int | None, None),
+]
+_VLLM_REMOVED_033: _Fields = [
+    *_VLLM_REMOVED_023,
+    ("locality", str | None, None),
+    ("ownership", str | None, None),
+]
+_SGLANG_STORED_0515: _Fields = [
+    ("block_hashes", list[int]),
+    ("parent_block_hash", int | None),
+    ("token_ids", list[int]),
+    ("block_size", int),
+    ("lora_id", int | None),
+    ("medium", str | None, None),
+]
+_SGLANG_STORED_0523: _Fields = [
+    *_SGLANG_STORED_0515,
+    ("cache_salt", str | None, None),
+    ("session_id", str | None, None),
+    ("lora_name", str | None, None),
+]
+_SGLANG_REMOVED: _Fields = [("block_hashes", list[int]), ("medium", str | None, None)]
 
 
-class _V23BlockRemoved(_V23Event, tag="BlockRemoved"):
-    block_hashes: list[Hash]
-    medium: str | None
-    group_idx: int | None = None
+def _event_types(stored: _Fields, removed: _Fields, arrays: bool) -> tuple[Any, Any, Any]:
+    """(BlockStored, BlockRemoved, AllBlocksCleared) structs: tagged by class name, defaults
+    omitted, as the engines declare them."""
+    opts: dict[str, Any] = {"tag": True, "omit_defaults": True, "array_like": arrays, "gc": False}
+    return (
+        msgspec.defstruct("BlockStored", stored, **opts),
+        msgspec.defstruct("BlockRemoved", removed, **opts),
+        msgspec.defstruct("AllBlocksCleared", [], **opts),
+    )
 
 
-class _V23AllBlocksCleared(_V23Event, tag="AllBlocksCleared"):
-    pass
+_EVENT_TYPES: dict[tuple[str, str], tuple[Any, Any, Any]] = {
+    ("vllm", "map"): _event_types(_VLLM_STORED_033, _VLLM_REMOVED_033, arrays=False),
+    ("vllm", "array"): _event_types(_VLLM_STORED_023, _VLLM_REMOVED_023, arrays=True),
+    ("sglang", "map"): _event_types(_SGLANG_STORED_0523, _SGLANG_REMOVED, arrays=False),
+    ("sglang", "array"): _event_types(_SGLANG_STORED_0515, _SGLANG_REMOVED, arrays=True),
+}
 
 
 class _VllmBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
-
-
-# -- SGLang 0.5.23 (maps) and 0.5.15 (arrays) ------------------------------------------------
-
-
-class _S523Event(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-class _S523BlockStored(_S523Event, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None = None
-    cache_salt: str | None = None
-    session_id: str | None = None
-    lora_name: str | None = None
-
-
-class _S523BlockRemoved(_S523Event, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None = None
-
-
-class _S523AllBlocksCleared(_S523Event, tag="AllBlocksCleared"):
-    pass
-
-
-class _S515Event(msgspec.Struct, array_like=True, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-class _S515BlockStored(_S515Event, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None = None
-
-
-class _S515BlockRemoved(_S515Event, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None = None
-
-
-class _S515AllBlocksCleared(_S515Event, tag="AllBlocksCleared"):
-    pass
 
 
 class _SglangBatch(msgspec.Struct, array_like=True, gc=False):
@@ -198,15 +149,7 @@ class EventEncoder:
         self.fmt = fmt
         self._digest: dict[int, bytes] = {}  # block id -> chain digest
         self._enc = msgspec.msgpack.Encoder()
-        vllm, arrays = fmt.engine == "vllm", fmt.encoding == "array"
-        if vllm:
-            self._stored_t: Any = _V23BlockStored if arrays else _V33BlockStored
-            self._removed_t: Any = _V23BlockRemoved if arrays else _V33BlockRemoved
-            self._cleared_t: Any = _V23AllBlocksCleared if arrays else _V33AllBlocksCleared
-        else:
-            self._stored_t = _S515BlockStored if arrays else _S523BlockStored
-            self._removed_t = _S515BlockRemoved if arrays else _S523BlockRemoved
-            self._cleared_t = _S515AllBlocksCleared if arrays else _S523AllBlocksCleared
+        self._stored_t, self._removed_t, self._cleared_t = _EVENT_TYPES[(fmt.engine, fmt.encoding)]
 
     def encode(self, events: Sequence[KVEvent], ts: float) -> bytes:
         """The payload (third ZMQ frame) for one batch of events."""

@@ -36,7 +36,9 @@ def vllm_block_hashes(
     prev = parent or VLLM_NONE_HASH
     sha, dumps = hashlib.sha256, pickle.dumps
     for i in range(0, len(tokens) - block_size + 1, block_size):
-        prev = sha(dumps((prev, tuple(tokens[i : i + block_size]), extra_keys), protocol=5)).digest()
+        prev = sha(
+            dumps((prev, tuple(tokens[i : i + block_size]), extra_keys), protocol=5)
+        ).digest()
         out.append(prev)
     return out
 

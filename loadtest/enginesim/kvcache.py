@@ -236,7 +236,9 @@ class RadixCache:
         self._pin_path(node, None, now)
         return node
 
-    def insert(self, at: _Node, tokens: bytes, start_block: int, blocks: list[int], now: float) -> _Node:
+    def insert(
+        self, at: _Node, tokens: bytes, start_block: int, blocks: list[int], now: float
+    ) -> _Node:
         """Cache ``blocks`` holding blocks ``start_block..`` of ``tokens`` below pinned ``at``.
 
         ``at`` must end exactly at ``start_block`` (it is what ``acquire`` or a previous

@@ -59,7 +59,9 @@ class EngineMetrics:
             return h.labels(*values)
 
         self._ttft = hist(f"{names}:time_to_first_token_seconds", "Time to first token.")
-        self._itl = hist(f"{names}:inter_token_latency_seconds", "Inter-token latency.", _ITL_BUCKETS)
+        self._itl = hist(
+            f"{names}:inter_token_latency_seconds", "Inter-token latency.", _ITL_BUCKETS
+        )
         self._e2e = hist(f"{names}:e2e_request_latency_seconds", "End-to-end request latency.")
         self._queue = hist(queue, "Time spent waiting in the queue.")
 
@@ -108,9 +110,13 @@ class _CoreCollector(Collector):
     def _vllm(self, core: EngineCore) -> Iterator[Metric]:
         st = core.stats
         g, c = self._gauge, self._counter
-        yield g("vllm:num_requests_running", "Requests in model execution batches.", core.num_running)
+        yield g(
+            "vllm:num_requests_running", "Requests in model execution batches.", core.num_running
+        )
         yield g("vllm:num_requests_waiting", "Requests waiting to be processed.", core.num_waiting)
-        yield g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", core.kv_usage)
+        yield g(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", core.kv_usage
+        )
         yield c("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", st.cache_queries)
         yield c("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", st.cache_hits)
         yield c("vllm:num_preemptions", "Cumulative number of preemptions.", 0)
@@ -143,7 +149,11 @@ class _CoreCollector(Collector):
         rate = (st.generation_tokens - gen_then) / (now - then) if now > then else 0.0
         hit_rate = st.cache_hits / st.cache_queries if st.cache_queries else 0.0
         yield g("sglang:num_running_reqs", "The number of running requests.", core.num_running)
-        yield g("sglang:num_queue_reqs", "The number of requests in the waiting queue.", core.num_waiting)
+        yield g(
+            "sglang:num_queue_reqs",
+            "The number of requests in the waiting queue.",
+            core.num_waiting,
+        )
         yield g("sglang:token_usage", "The token usage.", used / total)
         yield g("sglang:cache_hit_rate", "The prefix cache hit rate.", hit_rate)
         yield g("sglang:gen_throughput", "The generation throughput (token/s).", rate)

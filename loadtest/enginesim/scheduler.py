@@ -363,7 +363,12 @@ class EngineCore:
         n_dec: int,
     ) -> None:
         waiting = self._waiting
-        while waiting and not self._blocked and budget > 0 and self.num_running < self.sched.max_num_seqs:
+        while (
+            waiting
+            and not self._blocked
+            and budget > 0
+            and self.num_running < self.sched.max_num_seqs
+        ):
             req = waiting[0]
             rest = req.prompt_len - self._cached_hint(req)
             if not self.sched.chunked_prefill and rest > budget and (chunks or n_dec):
@@ -458,7 +463,9 @@ class EngineCore:
         self.stats.finished += 1
         self.stats.generation_tokens += req.max_tokens
 
-    def _cache_blocks(self, req: SimRequest, tokens: bytes, first: int, last: int, now: float) -> None:
+    def _cache_blocks(
+        self, req: SimRequest, tokens: bytes, first: int, last: int, now: float
+    ) -> None:
         """Move ``req``'s reserved blocks for blocks ``first..last`` of ``tokens`` into the cache."""
         k = last - first
         if k <= 0:

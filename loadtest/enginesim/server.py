@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -32,7 +33,9 @@ from loadtest.enginesim.api import (
     parse_chat,
     parse_completion,
     parse_generate,
+    parse_token_ids,
 )
+from loadtest.enginesim.kvcache import TOKEN_BYTES, pack_tokens, unpack_tokens
 from loadtest.enginesim.metrics import CONTENT_TYPE
 from loadtest.enginesim.scheduler import RequestTooLarge
 
@@ -90,7 +93,9 @@ def build_app(worker: SimWorker) -> web.Application:
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=msgspec.json.encode(data), status=status, content_type="application/json")
+    return web.Response(
+        body=msgspec.json.encode(data), status=status, content_type="application/json"
+    )
 
 
 def _sse(data: Any) -> bytes:
@@ -127,26 +132,38 @@ class _Handlers:
     # -- generation ------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        g = parse_completion(await _body(request), self.served, self.cfg.scheduler.default_max_tokens)
-        ids = g.prompt_ids if g.prompt_ids is not None else await self.codec.encode(g.prompt_text or "")
+        g = parse_completion(
+            await _body(request), self.served, self.cfg.scheduler.default_max_tokens
+        )
+        ids = await self._prompt(g)
         shape = _CompletionShape(self, f"cmpl-{uuid.uuid4().hex}")
         return await self._generate(request, g, ids, shape)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         g = parse_chat(await _body(request), self.served, self.cfg.scheduler.default_max_tokens)
-        assert g.messages is not None
-        ids = await self.codec.encode_chat(g.messages, g.tools, g.add_generation_prompt, g.chat_kwargs)
+        ids = pack_tokens(await self._chat_ids(g))
         shape = _ChatShape(self, f"chatcmpl-{uuid.uuid4().hex}")
         return await self._generate(request, g, ids, shape)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         g = parse_generate(await _body(request))
-        ids = g.prompt_ids if g.prompt_ids is not None else await self.codec.encode(g.prompt_text or "")
+        ids = await self._prompt(g)
         shape = _GenerateShape(self, g.request_id or uuid.uuid4().hex)
         return await self._generate(request, g, ids, shape)
 
+    async def _chat_ids(self, g: GenRequest) -> list[int]:
+        assert g.messages is not None
+        return await self.codec.encode_chat(
+            g.messages, g.tools, g.add_generation_prompt, g.chat_kwargs
+        )
+
+    async def _prompt(self, g: GenRequest) -> bytes:
+        if g.prompt_tokens is not None:
+            return g.prompt_tokens
+        return pack_tokens(await self.codec.encode(g.prompt_text or ""))
+
     async def _generate(
-        self, request: web.Request, g: GenRequest, ids: list[int], shape: _Shape
+        self, request: web.Request, g: GenRequest, ids: bytes, shape: _Shape
     ) -> web.StreamResponse:
         check_prompt(ids, g.max_tokens, self.cfg.scheduler.max_model_len, self.codec.vocab_size)
         if not self.w.alive:
@@ -155,7 +172,7 @@ class _Handlers:
             gen = self.w.submit(ids, g.max_tokens, stream=g.stream)
         except RequestTooLarge as exc:
             raise ApiError(400, str(exc), "max_tokens") from None
-        shape.prompt_tokens = len(ids)
+        shape.prompt_tokens = len(ids) // TOKEN_BYTES
         try:
             if g.stream:
                 return await self._stream(request, g, gen, shape)
@@ -221,9 +238,7 @@ class _Handlers:
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await _body(request)
         if "messages" in body:
-            g = parse_chat(body, self.served, 1)
-            assert g.messages is not None
-            ids = await self.codec.encode_chat(g.messages, g.tools, g.add_generation_prompt, g.chat_kwargs)
+            ids = await self._chat_ids(parse_chat(body, self.served, 1))
         elif isinstance(body.get("prompt"), str):
             ids = await self.codec.encode(body["prompt"])
         else:
@@ -233,9 +248,10 @@ class _Handlers:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         tokens = (await _body(request)).get("tokens")
-        if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+        if not isinstance(tokens, list):
             raise ApiError(400, "tokens must be a list of token ids", "tokens")
-        return _json({"prompt": self.codec.decode(tokens)})
+        ids = unpack_tokens(parse_token_ids(tokens, "tokens"))
+        return _json({"prompt": self.codec.decode(ids)})
 
     async def sim_state(self, request: web.Request) -> web.Response:
         return _json(self.w.state())
@@ -283,9 +299,9 @@ class _Handlers:
     async def server_info(self, request: web.Request) -> web.Response:
         cfg, core = self.cfg, self.w.core
         info: dict[str, Any] = {
-            "model_path": cfg.model,
+            "model_path": self._model_path(),
             "served_model_name": cfg.model,
-            "tokenizer_path": cfg.tokenizer,
+            "tokenizer_path": self.codec.source,
             "page_size": cfg.cache.block_size,
             "context_length": cfg.scheduler.max_model_len,
             "max_running_requests": cfg.scheduler.max_num_seqs,
@@ -314,11 +330,16 @@ class _Handlers:
             info["kv_events"] = kv
         return _json(info)
 
+    def _model_path(self) -> str:
+        """Where the model's tokenizer lives when known (peers load it from there)."""
+        src = self.codec.source
+        return str(Path(src).parent) if src else self.cfg.model
+
     async def model_info(self, request: web.Request) -> web.Response:
         return _json(
             {
-                "model_path": self.cfg.model,
-                "tokenizer_path": self.cfg.tokenizer,
+                "model_path": self._model_path(),
+                "tokenizer_path": self.codec.source,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": "default",
@@ -332,7 +353,7 @@ class _Handlers:
     async def health_generate(self, request: web.Request) -> web.Response:
         if not self.w.alive:
             raise ApiError(503, "The engine is not running")
-        gen = self.w.submit([0], 1, stream=False)
+        gen = self.w.submit(pack_tokens([0]), 1, stream=False)
         try:
             async with asyncio.timeout(_HEALTH_GENERATE_TIMEOUT_S):
                 while not gen.finished and not gen.error:

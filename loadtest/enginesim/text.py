@@ -18,28 +18,47 @@ from loadtest.enginesim.api import ApiError
 if TYPE_CHECKING:
     from gateway.tokenization import Tokenizer
 
-__all__ = ["TextCodec", "load_tokenizer"]
+__all__ = ["TextCodec", "load_tokenizer", "tokenizer_path"]
 
 _NO_TOKENIZER_ID = 1000  # the output token id when the simulator runs without a tokenizer
 
 
-def load_tokenizer(path: str | None, chat_template: str | None) -> Tokenizer | None:
-    """The configured tokenizer; ``path`` None: the bundled test tokenizer (DeepSeek-V3, whose
-    template then defaults to the bundled ``deepseek-v3``); ``"none"``: token ids only."""
+def tokenizer_path(path: str | None) -> Path | None:
+    """Where the configured tokenizer lives: ``path`` None means the bundled test tokenizer
+    (DeepSeek-V3), ``"none"`` no tokenizer (token-id prompts only)."""
     if path == "none":
         return None
-    from gateway.tokenization import Tokenizer, bundled_test_tokenizer
+    if path is None:
+        from gateway.tokenization import bundled_test_tokenizer
+
+        return bundled_test_tokenizer()
+    return Path(path)
+
+
+def load_tokenizer(path: str | None, chat_template: str | None) -> Tokenizer | None:
+    """The configured tokenizer (see ``tokenizer_path``); the bundled one gets the bundled
+    ``deepseek-v3`` template unless another is named."""
+    where = tokenizer_path(path)
+    if where is None:
+        return None
+    from gateway.tokenization import Tokenizer
 
     if path is None:
-        return Tokenizer.load(bundled_test_tokenizer(), chat_template or "deepseek-v3")
-    return Tokenizer.load(Path(path), chat_template)
+        chat_template = chat_template or "deepseek-v3"
+    return Tokenizer.load(where, chat_template)
 
 
 class TextCodec:
     """Prompt encoding and output text for one model (shared by all workers)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, output_text: str = " the") -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        output_text: str = " the",
+        source: Path | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.source = None if tokenizer is None or source is None else str(source)
         if tokenizer is not None:
             ids = tokenizer.encode(output_text, add_special_tokens=False) or [_NO_TOKENIZER_ID]
             pieces = [tokenizer.decode([i]) for i in ids]

@@ -47,7 +47,9 @@ class TimingModel:
         return (self.prefill_a * tokens + self.prefill_b) * tokens + self.prefill_c
 
     def decode_ms(self, usage: float) -> float:
-        return max(self.decode_floor, (self.decode_d2 * usage + self.decode_d1) * usage + self.decode_d0)
+        return max(
+            self.decode_floor, (self.decode_d2 * usage + self.decode_d1) * usage + self.decode_d0
+        )
 
     def step_seconds(self, prefill_tokens: int, decode_seqs: int, usage: float) -> float:
         """Wall time of one step, speed-up applied."""

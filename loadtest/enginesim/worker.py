@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,7 +126,9 @@ class SimWorker:
         self.metrics = EngineMetrics(cfg.flavor, cfg.model, lambda: self.core)
         if cfg.events.enabled:
             ev = cfg.events
-            fmt = WireFormat(cfg.flavor, ev.encoding, cfg.cache.block_size, ev.hash_format == "bytes")
+            fmt = WireFormat(
+                cfg.flavor, ev.encoding, cfg.cache.block_size, ev.hash_format == "bytes"
+            )
             self._encoder = EventEncoder(fmt)
             self.publisher = EventPublisher(
                 self._zmq,
@@ -244,7 +247,7 @@ class SimWorker:
 
     # -- generation ------------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], max_tokens: int, *, stream: bool) -> Generation:
+    def submit(self, prompt: Sequence[int] | bytes, max_tokens: int, *, stream: bool) -> Generation:
         """Queue a request (raises ValueError/RequestTooLarge on malformed input)."""
         if not self.alive:
             raise RuntimeError("worker is not running")

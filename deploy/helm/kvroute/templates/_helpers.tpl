@@ -226,15 +226,14 @@ true
 The gateway's Redis URL, with the password as a $(REDIS_PASSWORD) reference that Kubernetes
 expands from the container's environment (the gateway takes AUTH from the URL).
 */}}
+{{/* The gateway's Redis URL (the password comes from KVROUTE_REDIS__PASSWORD). */}}
 {{- define "kvroute.gatewayRedisURL" -}}
 {{- $url := include "kvroute.redisBaseURL" . -}}
 {{- $user := "" -}}
 {{- if eq .Values.redis.mode "external" -}}
 {{- $user = .Values.redis.external.username | default "" -}}
 {{- end -}}
-{{- if include "kvroute.redisHasPassword" . -}}
-{{- regexReplaceAll "^(rediss?://)" $url (printf "${1}%s:$(REDIS_PASSWORD)@" $user) -}}
-{{- else if $user -}}
+{{- if $user -}}
 {{- regexReplaceAll "^(rediss?://)" $url (printf "${1}%s@" $user) -}}
 {{- else -}}
 {{- $url -}}

@@ -1,0 +1,949 @@
+"""Offline cluster simulator: the gateway's routing core in front of one engine core per
+worker, in virtual time.
+
+Why: routing quality (hit rate, TTFT, balance) at hundreds of workers and a million requests
+cannot be measured with processes and HTTP on a small machine. This module drives the objects
+the live system runs — ``gateway.router.Router`` (shadow index, load tracker, policies, cost
+model) and ``loadtest.enginesim.scheduler.EngineCore`` (scheduler, radix KV cache, timing) —
+from a discrete-event queue instead of sockets and clocks. What it says about routing is what
+the gateway does; what it leaves out is the network and the processes' own CPU time.
+
+Each part mirrors a live component:
+
+* arrivals (open loop, in time order) are routed on arrival: ``Router.route`` then
+  ``started``; ``first_token`` and ``finished`` follow when the engine produces them, as the
+  gateway's proxy calls them;
+* a worker behaves like the live sim worker's driver loop: a step is computed when it starts
+  and its results are delivered when it ends; a request arriving meanwhile waits for the next
+  step. A run of identical decode-only steps (nothing queued, nothing prefilling) is a *span*
+  materialised only when it ends (at the next finish, ``EngineCore``'s fast-forward) or when
+  an arrival interrupts it, so decode costs nothing per token or per step;
+* KV events become canonical keys when the step ends (an engine block id -> key map per
+  worker, like the agent's; canonical block size = the engine's) and reach the shadow index
+  ``event_lag`` later (agent -> Redis -> consumer);
+* each worker's load is sampled every ``report_interval`` (phases staggered) into an
+  ``EngineReport`` with the fields the live agent fills (``waiting_prefill_tokens`` is not
+  among them unless ``report_prefill_tokens``) and applied ``report_lag`` later;
+* ``Router.tick`` runs every ``tick_interval``.
+
+Block keys: routing only compares keys, so any chained, collision-free naming of block
+prefixes routes identically. Blocks of up to 64 tokens use the deployment's ``BlockKeyer``.
+Its path for larger blocks costs ~300 µs per 12k-token prompt here, so 512-token blocks (the
+Mooncake trace's) get ``FingerprintKeys``: a 64-bit random-weight fingerprint per block,
+chained with a 64-bit hash. Same chain property (``keys(tokens, parent)`` continues a
+chain), ~20 µs per prompt.
+
+Pure: no I/O, no wall clock, no global state; deterministic for a seed. Results are compact
+columns (a million requests fit in tens of MB); ``summary`` has the load driver's format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import heapq
+import math
+import random
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from gateway.costmodel import CostModel, CostParams
+from gateway.index import ShadowIndex
+from gateway.keys import BlockKeyer
+from gateway.load import EngineReport
+from gateway.policy import make_policy
+from gateway.router import Router, Ticket
+from loadtest.driver import RequestRecord, balance
+from loadtest.enginesim.config import CacheConfig, SchedulerConfig
+from loadtest.enginesim.kvcache import (
+    TOKEN_BYTES,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KVEvent,
+)
+from loadtest.enginesim.scheduler import EngineCore, StepResult
+from loadtest.enginesim.timing import TimingModel, timing_model
+
+__all__ = [
+    "Arrival",
+    "CapacityProbe",
+    "CapacityResult",
+    "ClusterConfig",
+    "ClusterSim",
+    "FingerprintKeys",
+    "KeyFunction",
+    "RequestTable",
+    "SimResult",
+    "TokenKeys",
+    "estimate_capacity",
+    "native_rate",
+    "pooled_bound",
+    "pooled_config",
+    "retime",
+    "simulate",
+]
+
+_INF = float("inf")
+_MASK64 = (1 << 64) - 1
+
+
+# -- inputs ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Arrival:
+    """One request of the stream: prompt token ids as the engine stores them (uint32 LE)."""
+
+    index: int
+    at: float  # seconds after the start of the run
+    tokens: bytes
+    max_tokens: int
+    session: str | None = None  # the gateway's session key (``x-session-id``)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+
+def native_rate(arrivals: Sequence[Arrival]) -> float:
+    """Requests per second of a stream as given: (n - 1) / span."""
+    if len(arrivals) < 2:
+        return _INF
+    span = arrivals[-1].at - arrivals[0].at
+    return (len(arrivals) - 1) / span if span > 0 else _INF
+
+
+def retime(arrivals: Sequence[Arrival], rate: float) -> list[Arrival]:
+    """The same requests with every arrival time scaled so the stream runs at ``rate`` req/s.
+
+    The scaling the live comparison applies (``loadtest.compare``): think times compress with
+    the inter-arrival gaps, so the offered load changes and nothing else.
+    """
+    native = native_rate(arrivals)
+    if not math.isfinite(native) or rate <= 0:
+        return list(arrivals)
+    factor = native / rate
+    return [dataclasses.replace(a, at=a.at * factor) for a in arrivals]
+
+
+# -- canonical block keys ---------------------------------------------------------------------
+
+
+class KeyFunction(Protocol):
+    """Canonical keys of the full blocks of uint32 LE ``tokens``, chained from ``parent``."""
+
+    block_size: int
+
+    def keys(self, tokens: bytes, parent: int | None = None) -> list[int]: ...
+
+
+class TokenKeys:
+    """The deployment's key function (``gateway.keys.BlockKeyer``) over token bytes."""
+
+    def __init__(self, seed: str, block_size: int) -> None:
+        self.block_size = block_size
+        self._keyer = BlockKeyer(seed, block_size)
+
+    def keys(self, tokens: bytes, parent: int | None = None) -> list[int]:
+        if len(tokens) < self.block_size * TOKEN_BYTES:
+            return []
+        return self._keyer.keys(np.frombuffer(tokens, dtype="<u4"), parent)
+
+
+class FingerprintKeys:
+    """Chained 64-bit block names for large blocks (see the module docstring).
+
+    A block's fingerprint is the sum of its 64-bit words (token pairs) times random odd
+    64-bit weights, mod 2**64: one vectorised multiply-and-sum for all blocks of a prompt.
+    The key chains it with the parent's key through Python's tuple hash of ints, which is
+    deterministic across processes (``hash(bytes)`` is not). Equal prefixes get equal keys;
+    different ones collide with probability ~2**-61, or ~2**-32 when two sibling blocks
+    differ only in odd-position tokens -- fine for simulation, not for adversaries.
+    """
+
+    def __init__(self, seed: str, block_size: int) -> None:
+        if block_size % 2:
+            raise ValueError("FingerprintKeys needs an even block size")
+        self.block_size = block_size
+        digest = hashlib.blake2b(seed.encode(), digest_size=16, person=b"kvroute-simkeys").digest()
+        rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        w = rng.integers(0, 2**63, size=block_size // 2, dtype=np.uint64)
+        self._w = w * np.uint64(2) + np.uint64(1)
+        self._root = int.from_bytes(digest[:8], "little")
+
+    def keys(self, tokens: bytes, parent: int | None = None) -> list[int]:
+        half = self.block_size // 2
+        n = len(tokens) // (half * 8)
+        if not n:
+            return []
+        words = np.frombuffer(tokens, dtype="<u8", count=n * half).reshape(n, half)
+        key = self._root if parent is None else parent
+        out = []
+        for fp in (words * self._w).sum(axis=1).tolist():
+            key = hash((key, fp)) & _MASK64
+            out.append(key)
+        return out
+
+
+def make_key_function(kind: str, seed: str, block_size: int) -> KeyFunction:
+    """``exact``: BlockKeyer; ``fingerprint``; ``auto``: exact up to 64-token blocks."""
+    if kind == "auto":
+        kind = "exact" if block_size <= 64 else "fingerprint"
+    if kind == "exact":
+        return TokenKeys(seed, block_size)
+    if kind == "fingerprint":
+        return FingerprintKeys(seed, block_size)
+    raise ValueError(f"unknown key function {kind!r}; known: auto, exact, fingerprint")
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+
+@dataclass
+class ClusterConfig:
+    """A simulated cluster: workers, engine, gateway and the delays between them."""
+
+    workers: int = 8
+    policy: str = "ttft"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    # engine (per worker) -- the live sim's defaults
+    kv_blocks: int = 16384
+    block_size: int = 16  # engine block size = canonical block size
+    timing: str = "mocker"
+    speedup: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    chunked_prefill: bool = True
+    eviction: Literal["block", "node"] = "block"  # vLLM trims LRU leaves block by block
+    cache_outputs: bool = True
+    #: multiplies the engine's compute (prefill of T tokens costs what T/compute_scale cost
+    #: one worker; decode unchanged); the pooled bound's single big worker uses it
+    compute_scale: float = 1.0
+    # gateway
+    cost: CostParams = field(default_factory=CostParams)
+    speculative_ttl: float = 5.0  # gateway default (index.speculative_ttl)
+    tick_interval: float = 0.1  # the gateway's tick loop
+    hash_seed: str = "kvroute-sim"
+    keys: Literal["auto", "exact", "fingerprint"] = "auto"
+    # agent -> Redis -> gateway
+    event_lag: float = 0.02
+    report_interval: float = 0.25  # worker_agent's report_interval default
+    report_lag: float = 0.02
+    report_prefill_tokens: bool = False  # the live agents cannot (engines do not export it)
+    # run
+    seed: int = 0
+    slo_ttft_ms: float = 2000.0  # the driver's default
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError("workers must be >= 1")
+        if self.event_lag < 0 or self.report_lag < 0:
+            raise ValueError("lags must be >= 0")
+        if not (self.report_interval > 0 and self.tick_interval > 0 and self.compute_scale > 0):
+            raise ValueError("report_interval, tick_interval and compute_scale must be > 0")
+
+    def worker_names(self) -> list[str]:
+        """``worker-<i>``, the live stack's ids, so per-worker tables line up."""
+        return [f"worker-{i}" for i in range(self.workers)]
+
+    def timing_model(self) -> TimingModel:
+        base = timing_model(self.timing, self.speedup)
+        s = self.compute_scale
+        if s == 1:
+            return base
+        return dataclasses.replace(base, prefill_a=base.prefill_a / (s * s), prefill_b=base.prefill_b / s)
+
+    def new_engine(self) -> EngineCore:
+        cache = CacheConfig(
+            kv_blocks=self.kv_blocks,
+            block_size=self.block_size,
+            eviction=self.eviction,
+            cache_outputs=self.cache_outputs,
+        )
+        sched = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            chunked_prefill=self.chunked_prefill,
+        )
+        return EngineCore(
+            cache, sched, self.timing_model(), evict_whole_nodes=self.eviction == "node"
+        )
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestTable:
+    """Per-request outcomes as columns (finish order), compact enough for a million rows."""
+
+    index: array = field(default_factory=lambda: array("q"))
+    worker: array = field(default_factory=lambda: array("q"))
+    arrival: array = field(default_factory=lambda: array("d"))
+    ttft: array = field(default_factory=lambda: array("d"))  # seconds
+    e2e: array = field(default_factory=lambda: array("d"))
+    prompt_tokens: array = field(default_factory=lambda: array("q"))
+    cached_tokens: array = field(default_factory=lambda: array("q"))
+    output_tokens: array = field(default_factory=lambda: array("q"))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        cols = [f.name for f in dataclasses.fields(self)]
+        for i in sorted(range(len(self)), key=self.index.__getitem__):
+            yield {c: getattr(self, c)[i] for c in cols}
+
+    def to_records(self, names: Sequence[str]) -> list[RequestRecord]:
+        """The rows as the load driver's records (ITL: each request's mean gap, repeated)."""
+        out = []
+        for r in self.rows():
+            n = int(r["output_tokens"])
+            gap = (r["e2e"] - r["ttft"]) / (n - 1) if n > 1 else 0.0
+            out.append(
+                RequestRecord(
+                    index=int(r["index"]),
+                    session="",
+                    scheduled=r["arrival"],
+                    sent=r["arrival"],
+                    ttft=r["ttft"],
+                    e2e=r["e2e"],
+                    itl=[gap] * (n - 1),
+                    output_tokens=n,
+                    prompt_tokens=int(r["prompt_tokens"]),
+                    cached_tokens=int(r["cached_tokens"]),
+                    worker=names[int(r["worker"])],
+                    status=200,
+                )
+            )
+        return out
+
+
+@dataclass
+class SimResult:
+    """A run's outcome: the driver-format summary plus the simulator's own counters."""
+
+    config: ClusterConfig
+    summary: dict[str, Any]
+    table: RequestTable
+    duration: float  # virtual seconds from 0 to the last finish
+    failed: dict[str, int]
+    engine: dict[str, Any]  # engine and index counters
+
+    @property
+    def hit_rate(self) -> float:
+        return float(self.summary["hit_rate"])
+
+    def ttfts_ms(self) -> list[float]:
+        """Sorted TTFTs in ms (the comparison's CDF plot input)."""
+        return sorted(round(x * 1000.0, 2) for x in self.table.ttft)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": dataclasses.asdict(self.config),
+            "summary": self.summary,
+            "sim": {"duration_s": round(self.duration, 3), "failed": self.failed, **self.engine},
+        }
+
+
+def summarize(
+    table: RequestTable,
+    names: Sequence[str],
+    duration: float,
+    slo_ttft_ms: float,
+    failed: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """``loadtest.driver.summarize`` computed on columns (same keys, same percentile rule).
+
+    Differences: every worker appears in ``per_worker`` and the balance (the live driver only
+    sees workers that answered); ITL percentiles weight each request's mean gap by its gaps.
+    """
+    failed = failed or {}
+    n_ok = len(table)
+    n_failed = sum(failed.values())
+    ttft = np.frombuffer(table.ttft, dtype=np.float64) if n_ok else np.zeros(0)
+    e2e = np.frombuffer(table.e2e, dtype=np.float64) if n_ok else np.zeros(0)
+    out_tok = np.frombuffer(table.output_tokens, dtype=np.int64) if n_ok else np.zeros(0, np.int64)
+    prompt = np.frombuffer(table.prompt_tokens, dtype=np.int64) if n_ok else np.zeros(0, np.int64)
+    cached = np.frombuffer(table.cached_tokens, dtype=np.int64) if n_ok else np.zeros(0, np.int64)
+    worker = np.frombuffer(table.worker, dtype=np.int64) if n_ok else np.zeros(0, np.int64)
+
+    def pct(xs: np.ndarray, q: float) -> float | None:
+        return None if not len(xs) else round(float(np.percentile(xs, q * 100)) * 1000.0, 2)
+
+    gaps = out_tok - 1
+    has_gap = gaps > 0
+    itl_vals = ((e2e - ttft)[has_gap] / gaps[has_gap]) if n_ok else np.zeros(0)
+    itl_w = gaps[has_gap]
+    n_w = len(names)
+    req_w = np.bincount(worker, minlength=n_w)
+    prompt_w = np.bincount(worker, weights=prompt, minlength=n_w)
+    cached_w = np.bincount(worker, weights=cached, minlength=n_w)
+    per_worker: dict[str, dict[str, float]] = {}
+    for i, name in enumerate(names):
+        p, c = float(prompt_w[i]), float(cached_w[i])
+        per_worker[name] = {
+            "requests": int(req_w[i]),
+            "prompt_tokens": int(p),
+            "cached_tokens": int(c),
+            "hit_rate": round(c / p, 4) if p else 0.0,
+        }
+    total = n_ok + n_failed
+    good = int(np.count_nonzero(ttft * 1000.0 <= slo_ttft_ms))
+    sum_prompt, sum_cached = int(prompt.sum()), int(cached.sum())
+    errors = {k: v for k, v in failed.items() if v}
+    return {
+        "requests": total,
+        "ok": n_ok,
+        "failed": n_failed,
+        "errors": errors,
+        "duration_s": round(duration, 2),
+        "throughput_rps": round(n_ok / duration, 3) if duration > 0 else 0.0,
+        "output_tokens_per_s": round(float(out_tok.sum()) / duration, 1) if duration > 0 else 0.0,
+        "ttft_p50_ms": pct(ttft, 0.5),
+        "ttft_p90_ms": pct(ttft, 0.9),
+        "ttft_p99_ms": pct(ttft, 0.99),
+        "ttft_mean_ms": round(float(ttft.mean()) * 1000.0, 2) if n_ok else None,
+        "itl_p50_ms": _weighted_pct_ms(itl_vals, itl_w, 0.5),
+        "itl_p99_ms": _weighted_pct_ms(itl_vals, itl_w, 0.99),
+        "e2e_p50_ms": pct(e2e, 0.5),
+        "e2e_p99_ms": pct(e2e, 0.99),
+        "slo_ttft_ms": slo_ttft_ms,
+        "goodput": round(good / total, 4) if total else 0.0,
+        "goodput_rps": round(good / duration, 3) if duration > 0 else 0.0,
+        "hit_rate": round(sum_cached / sum_prompt, 4) if sum_prompt else 0.0,
+        "prompt_tokens": sum_prompt,
+        "cached_tokens": sum_cached,
+        "per_worker": per_worker,
+        **balance(
+            {w: v["requests"] for w, v in per_worker.items()},
+            {w: v["prompt_tokens"] for w, v in per_worker.items()},
+        ),
+    }
+
+
+def _weighted_pct_ms(values: np.ndarray, weights: np.ndarray, q: float) -> float | None:
+    """Percentile of ``values`` each repeated ``weights`` times (the driver's linear rule)."""
+    if not len(values):
+        return None
+    order = np.argsort(values, kind="stable")
+    v, w = values[order], weights[order]
+    ends = np.cumsum(w)  # value i covers ranks [ends[i] - w[i], ends[i])
+    k = (ends[-1] - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    vlo = v[np.searchsorted(ends, lo, side="right")]
+    vhi = v[np.searchsorted(ends, hi, side="right")]
+    return round(float(vlo + (vhi - vlo) * (k - lo)) * 1000.0, 2)
+
+
+# -- the simulator ----------------------------------------------------------------------------
+
+# worker modes
+_IDLE, _STEP, _SPAN = 0, 1, 2
+# event kinds, in the order they run when simultaneous
+_BUS, _TICK, _SAMPLE, _WORKER = 0, 1, 2, 3
+# index operations carried by a bus delivery
+_STORE, _REMOVE, _CLEAR = 0, 1, 2
+
+
+@dataclass(slots=True, eq=False)
+class _Flight:
+    """A request in flight: what the gateway remembers about it."""
+
+    index: int
+    at: float
+    ticket: Ticket
+    worker: int
+    first: float = 0.0
+
+
+class _Worker:
+    """One engine and its driver state (see the module docstring for the modes)."""
+
+    __slots__ = (
+        "blocks",
+        "clock",
+        "core",
+        "finishes",
+        "i",
+        "mode",
+        "name",
+        "pending",
+        "span_dt",
+        "span_start",
+        "version",
+    )
+
+    def __init__(self, i: int, name: str, core: EngineCore) -> None:
+        self.i = i
+        self.name = name
+        self.core = core
+        self.mode = _IDLE
+        self.pending: StepResult | None = None
+        self.span_start = 0.0
+        self.span_dt = 0.0
+        self.version = 0  # bumps invalidate this worker's queued events
+        self.clock = 0  # the engine's decode clock (decode iterations so far)
+        self.finishes: list[int] = []  # decode clock at which each decoding request ends
+        self.blocks: dict[int, int] = {}  # engine block id -> canonical key (the agent's map)
+
+
+class ClusterSim:
+    """One simulated cluster; ``run`` a request stream through it once."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        cfg = config
+        self.names = cfg.worker_names()
+        self.keyfn = make_key_function(cfg.keys, cfg.hash_seed, cfg.block_size)
+        self.index = ShadowIndex(speculative_ttl=cfg.speculative_ttl)
+        self.router = Router(
+            make_policy(cfg.policy, **cfg.policy_params),
+            cfg.block_size,
+            index=self.index,
+            cost=CostModel(dataclasses.replace(cfg.cost)),
+            rng=random.Random(cfg.seed),
+        )
+        self.workers = [_Worker(i, n, cfg.new_engine()) for i, n in enumerate(self.names)]
+        self._by_name = {w.name: w for w in self.workers}
+        for w in self.workers:
+            self.router.add_worker(w.name)
+            self.index.add_worker(w.name)
+        # without index use (round robin, ...) KV events need not be turned into keys
+        self._index_events = self.router.policy.uses_index
+        self._heap: list[tuple[float, int, int, Any, Any]] = []
+        self._seq = 0
+        self._table = RequestTable()
+        self._failed: dict[str, int] = {}
+        self._inflight = 0
+        self._more = True  # arrivals not exhausted
+        self._last_finish = 0.0
+        self._stats = {"steps": 0, "step_calls": 0, "spans": 0, "interrupts": 0, "stalls": 0}
+        self._ran = False
+
+    # -- public -------------------------------------------------------------------------------
+
+    def run(
+        self,
+        arrivals: Iterable[Arrival],
+        progress: Callable[[int], None] | None = None,
+        progress_every: int = 1000,
+    ) -> SimResult:
+        """Simulate ``arrivals`` (sorted by ``at``) to the end; ``progress(n)`` gets the number
+        of arrivals processed every ``progress_every`` of them."""
+        if self._ran:
+            raise RuntimeError("a ClusterSim runs once; build a new one")
+        self._ran = True
+        cfg = self.config
+        heap = self._heap
+        self._push(0.0, _TICK, None, None)
+        n_w = len(self.workers)
+        for w in self.workers:
+            self._push(cfg.report_interval * (w.i + 0.5) / n_w, _SAMPLE, w, None)
+        it = iter(arrivals)
+        nxt = next(it, None)
+        self._more = nxt is not None
+        done = 0
+        last_at = -_INF
+        pop = heapq.heappop
+        while True:
+            if heap and (nxt is None or heap[0][0] <= nxt.at):
+                t, kind, _, a, b = pop(heap)
+                if kind == _WORKER:
+                    self._worker_event(a, b, t)
+                elif kind == _BUS:
+                    self._apply(a, b, t)
+                elif kind == _SAMPLE:
+                    self._sample(a, t)
+                else:
+                    self.router.tick(t)
+                    if self._more or self._inflight:
+                        self._push(t + cfg.tick_interval, _TICK, None, None)
+            elif nxt is not None:
+                if nxt.at < last_at:
+                    raise ValueError(f"arrivals out of order at request {nxt.index}")
+                last_at = nxt.at
+                self._arrive(nxt)
+                done += 1
+                if progress is not None and done % progress_every == 0:
+                    progress(done)
+                nxt = next(it, None)
+                if nxt is None:
+                    self._more = False
+            else:
+                break
+        if progress is not None and done % progress_every:
+            progress(done)
+        return self._result()
+
+    # -- arrivals -----------------------------------------------------------------------------
+
+    def _arrive(self, a: Arrival) -> None:
+        t = a.at
+        tokens = a.tokens
+        n = len(tokens) // TOKEN_BYTES
+        router = self.router
+        keys = self.keyfn.keys(tokens)
+        decision = router.route(keys, n, t, session_key=a.session)
+        ticket = router.started(decision, n, t)
+        w = self._by_name[decision.worker]
+        if w.mode == _SPAN:
+            self._interrupt(w, t)
+        flight = _Flight(a.index, t, ticket, w.i)
+        try:
+            w.core.add_request(tokens, a.max_tokens, t, tag=flight)
+        except ValueError as exc:  # RequestTooLarge or a malformed request: the engine's 400
+            router.finished(ticket, t)
+            reason = type(exc).__name__
+            self._failed[reason] = self._failed.get(reason, 0) + 1
+            return
+        self._inflight += 1
+        if w.mode == _IDLE:
+            self._plan(w, max(t, w.core.free_at))
+
+    def _interrupt(self, w: _Worker, t: float) -> None:
+        """An arrival at ``t`` during a decode span: run the span's steps that ended by
+        ``t``, then the step in flight at ``t`` (the new request waits for the next one)."""
+        core = w.core
+        w.version += 1  # the span's end event is stale
+        self._stats["interrupts"] += 1
+        if t - w.span_start >= w.span_dt:
+            self._deliver(w, self._step(core, w.span_start, t))
+        b = core.free_at
+        if b < t and core.has_work():
+            self._pend(w, self._step(core, b, None))
+        else:
+            w.mode = _IDLE
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _step(self, core: EngineCore, now: float, until: float | None) -> StepResult:
+        res = core.step(now, until)
+        st = self._stats
+        st["step_calls"] += 1
+        st["steps"] += res.steps
+        return res
+
+    def _pend(self, w: _Worker, res: StepResult) -> None:
+        w.mode = _STEP
+        w.pending = res
+        w.version += 1
+        self._push(res.end, _WORKER, w, w.version)
+
+    def _plan(self, w: _Worker, now: float) -> None:
+        """The engine is free at ``now``: start its next step (or span, or go idle)."""
+        core = w.core
+        if not core.has_work():
+            w.mode = _IDLE
+            return
+        if core.num_waiting:
+            # Either the head is admitted (a single step) or it is blocked (memory, seq
+            # limit) and stays blocked whatever arrives until a request finishes: the engine
+            # may fast-forward to that finish.
+            res = self._step(core, now, _INF)
+        elif core.waiting_prompt_tokens == 0:
+            fin = w.finishes
+            while fin and fin[0] <= w.clock:
+                heapq.heappop(fin)
+            k = fin[0] - w.clock
+            dt = core.timing.step_seconds(0, core.num_running, core.kv_usage)
+            w.mode = _SPAN
+            w.span_start = now
+            w.span_dt = dt
+            w.version += 1
+            self._stats["spans"] += 1
+            self._push(now + k * dt, _WORKER, w, w.version)
+            return
+        else:
+            res = self._step(core, now, None)
+        if not res.steps:  # nothing schedulable (cannot happen with a consistent engine)
+            self._stats["stalls"] += 1
+            w.mode = _IDLE
+            return
+        self._pend(w, res)
+
+    def _worker_event(self, w: _Worker, version: int, t: float) -> None:
+        if version != w.version:
+            return
+        if w.mode == _STEP:
+            res = w.pending
+            assert res is not None
+            w.pending = None
+            self._deliver(w, res)
+        elif w.mode == _SPAN:
+            res = self._step(w.core, w.span_start, _INF)
+            if abs(res.end - t) > 1e-9 * max(1.0, t) or not res.finished:
+                raise AssertionError(
+                    f"{w.name}: decode span predicted to end at {t}, engine ended at {res.end}"
+                )
+            self._deliver(w, res)
+        self._plan(w, t)
+
+    def _deliver(self, w: _Worker, res: StepResult) -> None:
+        """What a step produced, at its end: first tokens, finishes, KV events."""
+        now = res.end
+        router = self.router
+        if res.decode_seqs:
+            w.clock += res.steps
+        for req in res.first_token:
+            f: _Flight = req.tag
+            f.first = now
+            router.first_token(f.ticket, now)
+            if req.max_tokens > 1:
+                heapq.heappush(w.finishes, w.clock + req.max_tokens - 1)
+        if res.finished:
+            tab = self._table
+            for req in res.finished:
+                f = req.tag
+                router.finished(f.ticket, now)
+                tab.index.append(f.index)
+                tab.worker.append(f.worker)
+                tab.arrival.append(f.at)
+                tab.ttft.append(f.first - f.at)
+                tab.e2e.append(now - f.at)
+                tab.prompt_tokens.append(req.prompt_len)
+                tab.cached_tokens.append(req.cached_tokens)
+                tab.output_tokens.append(req.max_tokens)
+            self._inflight -= len(res.finished)
+            self._last_finish = max(self._last_finish, now)
+        if res.events and self._index_events:
+            self._emit(w, res.events, now)
+
+    # -- agent, bus, consumer ---------------------------------------------------------------------
+
+    def _emit(self, w: _Worker, events: list[KVEvent], now: float) -> None:
+        """Engine events -> canonical index operations (the agent), delivered after the lag."""
+        ops: list[tuple[int, int | None, list[int]]] = []
+        blocks = w.blocks
+        keys_of = self.keyfn.keys
+        for ev in events:
+            if isinstance(ev, BlocksStored):
+                pid = ev.parent_block_id
+                parent = None if pid is None else blocks[pid]
+                keys = keys_of(ev.tokens, parent)
+                blocks.update(zip(ev.block_ids, keys, strict=True))
+                ops.append((_STORE, parent, keys))
+            elif isinstance(ev, BlocksRemoved):
+                # deepest first: an evicted leaf tail then leaves the index's run from its end
+                # (ShadowIndex's cheap path) instead of splitting it key by key; same result
+                pop = blocks.pop
+                ops.append((_REMOVE, None, [pop(b) for b in reversed(ev.block_ids)]))
+            elif isinstance(ev, AllBlocksCleared):
+                blocks.clear()
+                ops.append((_CLEAR, None, []))
+        self._push(now + self.config.event_lag, _BUS, w, ops)
+
+    def _apply(self, w: _Worker, payload: Any, t: float) -> None:
+        if isinstance(payload, EngineReport):
+            self.router.loads.report(w.name, payload, t)
+            return
+        index = self.index
+        name = w.name
+        for op, parent, keys in payload:
+            if op == _STORE:
+                index.stored(name, parent, keys)
+            elif op == _REMOVE:
+                index.removed(name, keys)
+            else:
+                index.cleared(name)
+
+    def _sample(self, w: _Worker, t: float) -> None:
+        """The agent scrapes the engine's /metrics and publishes a load report."""
+        cfg = self.config
+        core = w.core
+        st = core.stats
+        rep = EngineReport(
+            running=core.num_running,
+            waiting=core.num_waiting,
+            kv_usage=core.kv_usage,
+            waiting_prefill_tokens=core.waiting_prompt_tokens if cfg.report_prefill_tokens else None,
+            prefix_cache_queries=st.cache_queries,
+            prefix_cache_hits=st.cache_hits,
+            ts=t,
+        )
+        self._push(t + cfg.report_lag, _BUS, w, rep)
+        if self._more or self._inflight:
+            self._push(t + cfg.report_interval, _SAMPLE, w, None)
+
+    def _push(self, t: float, kind: int, a: Any, b: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, kind, self._seq, a, b))
+
+    # -- results ------------------------------------------------------------------------------
+
+    def _result(self) -> SimResult:
+        cfg = self.config
+        duration = self._last_finish
+        engine = {
+            **self._stats,
+            "engine_prompt_tokens": sum(w.core.stats.cache_queries for w in self.workers),
+            "engine_cached_tokens": sum(w.core.stats.cache_hits for w in self.workers),
+            "index": dataclasses.asdict(self.index.stats),
+            "index_entries": self.index.entries(),
+            "cost_scale": round(self.router.ctx.cost.scale, 4),
+        }
+        summary = summarize(self._table, self.names, duration, cfg.slo_ttft_ms, self._failed)
+        return SimResult(cfg, summary, self._table, duration, dict(self._failed), engine)
+
+
+# -- entry points -----------------------------------------------------------------------------
+
+
+def simulate(
+    arrivals: Iterable[Arrival],
+    config: ClusterConfig,
+    progress: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Run ``arrivals`` through a fresh cluster of ``config``."""
+    return ClusterSim(config).run(arrivals, progress)
+
+
+def pooled_config(config: ClusterConfig) -> ClusterConfig:
+    """The pooled-cache bound's cluster: ONE worker with N x everything of ``config``'s.
+
+    N x KV blocks (the pooled cache), and N x compute so that it is exactly as loaded as the
+    N workers together: N x ``max_num_seqs`` and ``max_num_batched_tokens`` (N workers' batches
+    in one step) and a step time model in which prefilling T tokens costs what T / N cost
+    one worker (``compute_scale``), decode steps unchanged. A full step of N x 8192 prefill
+    tokens therefore takes as long as one worker's 8192-token step. No routing is involved.
+    """
+    n = config.workers
+    return dataclasses.replace(
+        config,
+        workers=1,
+        policy="round_robin",
+        policy_params={},
+        kv_blocks=config.kv_blocks * n,
+        max_num_seqs=config.max_num_seqs * n,
+        max_num_batched_tokens=config.max_num_batched_tokens * n,
+        compute_scale=config.compute_scale * n,
+    )
+
+
+def pooled_bound(
+    arrivals: Iterable[Arrival],
+    config: ClusterConfig,
+    progress: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Target Q1's reference: the hit rate of ``pooled_config(config)`` on the same stream.
+
+    Every block cached anywhere in the cluster is cached once in one LRU pool of the cluster's
+    total size, and every request sees all of it, so no routing can do better (up to LRU
+    versus per-worker LRU effects, which are small and in the bound's favour in practice).
+    """
+    return ClusterSim(pooled_config(config)).run(arrivals, progress)
+
+
+@dataclass
+class CapacityProbe:
+    rate: float
+    ok: bool
+    ttft_p99_ms: float | None
+    hit_rate: float
+    throughput_rps: float
+    failed: int
+
+
+@dataclass
+class CapacityResult:
+    """``rate`` (req/s): see ``estimate_capacity`` for the definition."""
+
+    rate: float
+    limit_ms: float  # the p99 TTFT allowed
+    reference_ms: float  # p99 of the unloaded cold prefill times
+    ttft_factor: float
+    probes: list[CapacityProbe]
+    definition: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+CAPACITY_DEFINITION = (
+    "capacity = the highest Poisson-scaled offered rate (req/s) of the workload at which the "
+    "cluster under the given policy keeps p99 TTFT <= ttft_factor x the p99 of the requests' "
+    "unloaded cold prefill times (each prompt prefilled alone on an idle worker, no cache), "
+    "with no failed requests; found by doubling then bisection to rel_tol."
+)
+
+
+def cold_prefill_p99_ms(arrivals: Iterable[Arrival], config: ClusterConfig) -> float:
+    """p99 over requests of the time to prefill the whole prompt on an idle worker.
+
+    A property of the workload and the engine model only (no routing, no cache, no rate):
+    the fixed yardstick the capacity criterion compares TTFTs against.
+    """
+    t = config.timing_model()
+    chunk = config.max_num_batched_tokens
+    times = []
+    for a in arrivals:
+        full, rest = divmod(a.prompt_tokens, chunk)
+        s = full * t.step_seconds(chunk, 0, 0.0) + (t.step_seconds(rest, 0, 0.0) if rest else 0.0)
+        times.append(s)
+    return float(np.percentile(times, 99)) * 1000.0 if times else 0.0
+
+
+def estimate_capacity(
+    source: Callable[[float], Iterable[Arrival]],
+    config: ClusterConfig,
+    *,
+    reference: Iterable[Arrival],
+    ttft_factor: float = 3.0,
+    start_rate: float | None = None,
+    rel_tol: float = 0.05,
+    max_probes: int = 16,
+    progress: Callable[[CapacityProbe], None] | None = None,
+) -> CapacityResult:
+    """The request rate the cluster sustains (see ``CAPACITY_DEFINITION``).
+
+    ``source(rate)``: the workload's stream retimed to ``rate`` req/s (fresh each call);
+    ``reference``: the same requests (any timing) for the unloaded yardstick. A probe passes
+    when p99 TTFT <= ``ttft_factor`` x reference and nothing failed. Doubling from
+    ``start_rate`` (default: one request per second per worker) brackets the answer, then
+    bisection narrows it to ``rel_tol``; the result is the highest passing rate.
+    """
+    ref = cold_prefill_p99_ms(reference, config)
+    limit = ttft_factor * ref
+    probes: list[CapacityProbe] = []
+
+    def probe(rate: float) -> bool:
+        res = simulate(source(rate), config)
+        s = res.summary
+        p99 = s["ttft_p99_ms"]
+        ok = s["failed"] == 0 and p99 is not None and p99 <= limit
+        pr = CapacityProbe(rate, ok, p99, s["hit_rate"], s["throughput_rps"], s["failed"])
+        probes.append(pr)
+        if progress is not None:
+            progress(pr)
+        return ok
+
+    rate = start_rate or float(config.workers)
+    lo, hi = 0.0, _INF
+    if probe(rate):
+        lo = rate
+        while len(probes) < max_probes:
+            rate *= 2
+            if not probe(rate):
+                hi = rate
+                break
+            lo = rate
+    else:
+        hi = rate
+        while len(probes) < max_probes:
+            rate /= 2
+            if probe(rate):
+                lo = rate
+                break
+            hi = rate
+    while lo > 0 and math.isfinite(hi) and (hi - lo) > rel_tol * hi and len(probes) < max_probes:
+        mid = (lo + hi) / 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return CapacityResult(lo, round(limit, 2), round(ref, 2), ttft_factor, probes, CAPACITY_DEFINITION)

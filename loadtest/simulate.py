@@ -1,0 +1,459 @@
+"""``kvroute simulate``: the offline cluster simulator on a workload or a Mooncake trace.
+
+The simulation itself is ``loadtest.clustersim`` (pure); this module builds its request streams
+and is its command line:
+
+* ``workload_arrivals``: a text workload (chat, agent, shared_prefix) tokenized exactly as the
+  live path sends it (``mode``: ``chat`` renders the chat template like the gateway and the
+  engine do; ``completion`` encodes the joined text with special tokens; ``completion_ids``
+  concatenates per-segment ids, the driver's token-id mode);
+* ``trace_arrivals``: a Mooncake-format JSONL trace, streamed (constant memory). Each hash id
+  becomes a run of ``block_tokens`` copies of one token id (``id + 2``; the engines' caches
+  only compare tokens, so any distinct content per id shares prefixes exactly as the trace
+  says). ``TraceWorkload`` draws 512 random ids per block in Python and keeps every block,
+  which is ~150 µs per block and unbounded memory at a million requests;
+* ``compare_reference``: the two numbers ``loadtest.compare`` needs (pooled-cache bound and
+  capacity) for a compare configuration.
+
+Examples::
+
+    kvroute simulate --workload chat --workers 8 --kv-blocks 2048 --bound --capacity
+    kvroute simulate --gen-trace trace.jsonl --requests 50000 --duration-s 600
+    kvroute simulate --trace trace.jsonl --workers 64 --compare-policies ttft,round_robin
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import struct
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+from tqdm import tqdm
+
+from loadtest.clustersim import (
+    Arrival,
+    CapacityProbe,
+    CapacityResult,
+    ClusterConfig,
+    SimResult,
+    estimate_capacity,
+    pooled_bound,
+    retime,
+    simulate,
+)
+from loadtest.report import format_table
+from loadtest.workloads import make_workload, tokenize_segments, write_synthetic_trace
+
+__all__ = [
+    "TraceInfo",
+    "compare_reference",
+    "scan_trace",
+    "trace_arrivals",
+    "workload_arrivals",
+]
+
+#: KV capacity per worker when --kv-blocks is not given: the live sim's 16384 x 16 tokens
+DEFAULT_KV_TOKENS = 16384 * 16
+TRACE_BLOCK_TOKENS = 512
+_U32 = struct.Struct("<I")
+
+
+# -- request streams ------------------------------------------------------------------------
+
+
+def workload_arrivals(
+    kind: str,
+    params: dict[str, Any] | None = None,
+    *,
+    seed: int = 0,
+    mode: str = "chat",
+    tokenizer: Any = None,
+    chat_template: str = "deepseek-v3",
+) -> list[Arrival]:
+    """A text workload's requests as the engines will see them (see the module docstring).
+
+    ``tokenizer``: a ``gateway.tokenization.Tokenizer``; default the bundled test tokenizer
+    with ``chat_template`` (the stack's defaults).
+    """
+    from array import array
+
+    if tokenizer is None:
+        from gateway.tokenization import Tokenizer, bundled_test_tokenizer
+
+        tokenizer = Tokenizer.load(bundled_test_tokenizer(), chat_template)
+    wl = make_workload(kind, seed=seed, **dict(params or {}))
+    if wl.prompt_kind != "text":
+        raise ValueError(f"workload {kind!r} has no text prompts; use trace_arrivals")
+    items = list(wl.items())
+    if mode == "completion_ids":
+        tokenize_segments(items, lambda text: tokenizer.encode(text, add_special_tokens=False))
+        ids = [it.prompt_ids() for it in items]
+    elif mode == "completion":
+        ids = [tokenizer.encode(it.prompt_text(), add_special_tokens=True) for it in items]
+    elif mode == "chat":
+        ids = [tokenizer.encode_chat(it.messages()) for it in items]
+    else:
+        raise ValueError(f"unknown mode {mode!r}; known: chat, completion, completion_ids")
+    return [
+        Arrival(it.index, it.at, array("I", p).tobytes(), it.max_tokens, it.session)
+        for it, p in zip(items, ids, strict=True)
+    ]
+
+
+class _Record(msgspec.Struct):
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceInfo:
+    requests: int
+    first_s: float
+    last_s: float
+
+    @property
+    def rate(self) -> float:
+        """Native request rate (req/s) of the trace at speed 1."""
+        span = self.last_s - self.first_s
+        return (self.requests - 1) / span if span > 0 and self.requests > 1 else math.inf
+
+
+def _records(path: str | Path, limit: int | None) -> Iterator[_Record]:
+    decode = msgspec.json.Decoder(_Record).decode
+    with open(path, "rb") as f:
+        n = 0
+        for line in f:
+            if limit is not None and n >= limit:
+                return
+            if not line.strip():
+                continue
+            try:
+                rec = decode(line)
+            except msgspec.DecodeError as exc:
+                raise ValueError(f"{path}: record {n} is not a Mooncake trace record: {exc}") from None
+            n += 1
+            yield rec
+
+
+def scan_trace(path: str | Path, limit: int | None = None) -> TraceInfo:
+    """One pass over the trace: request count and time span (for ``--rate``)."""
+    n, first, last = 0, math.inf, -math.inf
+    for rec in _records(path, limit):
+        n += 1
+        first = min(first, rec.timestamp / 1000.0)
+        last = max(last, rec.timestamp / 1000.0)
+    return TraceInfo(n, first if n else 0.0, last if n else 0.0)
+
+
+def trace_arrivals(
+    path: str | Path,
+    *,
+    speed: float = 1.0,
+    limit: int | None = None,
+    block_tokens: int = TRACE_BLOCK_TOKENS,
+) -> Iterator[Arrival]:
+    """Stream a Mooncake-format trace as arrivals (``speed`` > 1 compresses time).
+
+    A request's prompt is its hash ids' blocks, cut to ``input_length`` (the last block may
+    be partial); its session key is ``trace-<i>``, like ``TraceWorkload``.
+    """
+    if speed <= 0:
+        raise ValueError("speed must be > 0")
+    pack = _U32.pack
+    for i, rec in enumerate(_records(path, limit)):
+        left = rec.input_length
+        parts = []
+        for h in rec.hash_ids:
+            if left <= 0:
+                break
+            if not 0 <= h < 2**31 - 2:
+                raise ValueError(f"{path}: record {i}: hash id {h} out of range")
+            take = min(left, block_tokens)
+            parts.append(pack(h + 2) * take)
+            left -= take
+        if not parts:
+            continue
+        yield Arrival(
+            i, rec.timestamp / 1000.0 / speed, b"".join(parts), max(1, rec.output_length), f"trace-{i}"
+        )
+
+
+# -- the two numbers the live comparison needs -------------------------------------------------
+
+
+def compare_reference(
+    workload: str,
+    params: dict[str, Any] | None = None,
+    *,
+    workers: int = 8,
+    kv_blocks: int = 4096,
+    block_size: int = 16,
+    timing: str = "mocker",
+    speedup: float = 1.0,
+    seed: int = 0,
+    mode: str = "chat",
+    slo_ttft_ms: float = 1000.0,
+    policy: str = "ttft",
+    ttft_factor: float = 3.0,
+    rate: float | None = None,
+) -> dict[str, Any]:
+    """Pooled-cache bound and capacity for a ``loadtest.compare`` configuration.
+
+    The bound is computed on the stream at ``rate`` (default: 60% of the capacity, a
+    mid-sweep load; the bound barely depends on it). Returns ``bound_hit_rate``,
+    ``capacity_rps`` and the details.
+    """
+    arrivals = workload_arrivals(workload, params, seed=seed, mode=mode)
+    cfg = ClusterConfig(
+        workers=workers,
+        policy=policy,
+        kv_blocks=kv_blocks,
+        block_size=block_size,
+        timing=timing,
+        speedup=speedup,
+        seed=seed,
+        slo_ttft_ms=slo_ttft_ms,
+    )
+    cap = estimate_capacity(lambda r: retime(arrivals, r), cfg, reference=arrivals, ttft_factor=ttft_factor)
+    at = rate or 0.6 * cap.rate
+    stream = retime(arrivals, at) if at > 0 else arrivals
+    bound = pooled_bound(stream, cfg)
+    routed = simulate(stream, cfg)
+    return {
+        "bound_hit_rate": bound.hit_rate,
+        "capacity_rps": round(cap.rate, 3),
+        "policy_hit_rate": routed.hit_rate,
+        "bound_rate": round(at, 3),
+        "capacity": cap.to_json(),
+    }
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("request stream")
+    src.add_argument("--trace", help="Mooncake-format JSONL trace (streamed)")
+    src.add_argument("--workload", choices=["chat", "agent", "shared_prefix"])
+    src.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE",
+                     help="workload parameter (YAML value), e.g. --set conversations=500")  # fmt: skip
+    src.add_argument("--mode", default="chat", choices=["chat", "completion", "completion_ids"],
+                     help="how text prompts become tokens (as the live driver's mode)")  # fmt: skip
+    src.add_argument("--rate", type=float, help="retime the stream to this many requests/s")
+    src.add_argument("--speed", type=float, default=1.0, help="trace time compression")
+    src.add_argument("--limit", type=int, help="use the first N requests")
+    src.add_argument("--gen-trace", metavar="FILE",
+                     help="write a synthetic Mooncake-format trace (write_synthetic_trace), then "
+                     "simulate it unless --only-gen or another stream is given")  # fmt: skip
+    src.add_argument("--requests", type=int, default=12_031, help="--gen-trace: requests")
+    src.add_argument("--duration-s", type=float, default=3540.0, help="--gen-trace: time span")
+    src.add_argument("--only-gen", action="store_true", help="--gen-trace: write and stop")
+    cl = p.add_argument_group("cluster")
+    cl.add_argument("--workers", type=int, default=8)
+    cl.add_argument("--policy", default="ttft")
+    cl.add_argument("--compare-policies", metavar="P1,P2,...",
+                    help="run the same stream through each of these policies")  # fmt: skip
+    cl.add_argument("--kv-blocks", type=int,
+                    help=f"KV blocks per worker (default {DEFAULT_KV_TOKENS} tokens' worth)")  # fmt: skip
+    cl.add_argument("--block-size", type=int,
+                    help=f"engine = canonical block size (default {TRACE_BLOCK_TOKENS} for "
+                    "traces, 16 otherwise)")  # fmt: skip
+    cl.add_argument("--timing", default="mocker", help="engine timing preset")
+    cl.add_argument("--speedup", type=float, default=1.0)
+    cl.add_argument("--max-num-seqs", type=int, default=256)
+    cl.add_argument("--event-lag", type=float, default=0.02, help="KV event delay (s)")
+    cl.add_argument("--report-interval", type=float, default=0.25, help="load report period (s)")
+    cl.add_argument("--keys", default="auto", choices=["auto", "exact", "fingerprint"])
+    cl.add_argument("--seed", type=int, default=0)
+    cl.add_argument("--slo-ms", type=float, default=2000.0, help="TTFT SLO for goodput")
+    out = p.add_argument_group("extras and output")
+    out.add_argument("--bound", action="store_true", help="also compute the pooled-cache bound")
+    out.add_argument("--capacity", action="store_true", help="estimate the cluster's capacity")
+    out.add_argument("--ttft-factor", type=float, default=3.0, help="capacity criterion")
+    out.add_argument("--json", action="store_true", help="print only the JSON object")
+    out.add_argument("--out", help="also write the JSON object to this file")
+    out.add_argument("--no-progress", action="store_true")
+
+
+def _params(pairs: list[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects PARAM=VALUE, got {pair!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+class _Stream:
+    """The request stream the arguments describe, re-readable at any rate."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.trace = args.trace
+        self._list: list[Arrival] | None = None
+        self._info: TraceInfo | None = None
+        if not self.trace:
+            self._list = workload_arrivals(
+                args.workload, _params(args.set), seed=args.seed, mode=args.mode
+            )
+            if args.limit:
+                self._list = self._list[: args.limit]
+
+    def describe(self) -> dict[str, Any]:
+        a = self.args
+        if self.trace:
+            return {"kind": "trace", "path": self.trace, "speed": a.speed, "limit": a.limit}
+        return {"kind": a.workload, "params": _params(a.set), "mode": a.mode, "seed": a.seed}
+
+    def count(self) -> int | None:
+        if self._list is not None:
+            return len(self._list)
+        return self.info().requests
+
+    def info(self) -> TraceInfo:
+        if self._info is None:
+            self._info = scan_trace(self.trace, self.args.limit)
+        return self._info
+
+    def at(self, rate: float | None) -> Iterable[Arrival]:
+        """The stream at ``rate`` req/s (None: as given, with --speed for traces)."""
+        a = self.args
+        if self._list is not None:
+            return retime(self._list, rate) if rate else list(self._list)
+        speed = a.speed if not rate else rate / self.info().rate
+        return trace_arrivals(self.trace, speed=speed, limit=a.limit, block_tokens=a.block_size)
+
+    def reference(self) -> Iterable[Arrival]:
+        return self.at(None)
+
+
+def _config(args: argparse.Namespace, policy: str) -> ClusterConfig:
+    return ClusterConfig(
+        workers=args.workers,
+        policy=policy,
+        kv_blocks=args.kv_blocks,
+        block_size=args.block_size,
+        timing=args.timing,
+        speedup=args.speedup,
+        max_num_seqs=args.max_num_seqs,
+        event_lag=args.event_lag,
+        report_lag=args.event_lag,
+        report_interval=args.report_interval,
+        keys=args.keys,
+        seed=args.seed,
+        slo_ttft_ms=args.slo_ms,
+    )
+
+
+def _timed(
+    label: str, total: int | None, quiet: bool, fn: Callable[[Callable[[int], None]], SimResult]
+) -> tuple[SimResult, float]:
+    bar = tqdm(total=total, desc=label, unit="req", disable=quiet, leave=False, mininterval=0.5)
+    seen = [0]
+
+    def progress(n: int) -> None:
+        bar.update(n - seen[0])
+        seen[0] = n
+
+    t0 = time.perf_counter()
+    res = fn(progress)
+    wall = time.perf_counter() - t0
+    bar.close()
+    return res, wall
+
+
+def _row(system: str, res: SimResult, wall: float) -> dict[str, Any]:
+    s = res.summary
+    n = s["requests"]
+    return {
+        "system": system,
+        "requests": n,
+        "hit rate": s["hit_rate"],
+        "TTFT p50 ms": s["ttft_p50_ms"],
+        "TTFT p99 ms": s["ttft_p99_ms"],
+        "goodput": s["goodput"],
+        "req/s": s["throughput_rps"],
+        "max/mean load": s["max_mean_requests"],
+        "wall s": round(wall, 1),
+        "µs/req": round(wall / n * 1e6, 1) if n else None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.gen_trace:
+        write_synthetic_trace(Path(args.gen_trace), requests=args.requests,
+                              duration_s=args.duration_s, seed=args.seed)  # fmt: skip
+        if not args.json:
+            print(f"wrote {args.requests} requests over {args.duration_s:g} s to {args.gen_trace}",
+                  file=sys.stderr)  # fmt: skip
+        if args.only_gen:
+            return 0
+        if not args.trace and not args.workload:
+            args.trace = args.gen_trace
+    if bool(args.trace) == bool(args.workload):
+        raise SystemExit("give exactly one of --trace FILE and --workload KIND")
+    if args.block_size is None:
+        args.block_size = TRACE_BLOCK_TOKENS if args.trace else 16
+    if args.kv_blocks is None:
+        args.kv_blocks = max(1, DEFAULT_KV_TOKENS // args.block_size)
+    quiet = args.no_progress or args.json
+    stream = _Stream(args)
+    total = stream.count() if not args.trace or args.rate or args.limit else None
+    policies = [p.strip() for p in (args.compare_policies or args.policy).split(",") if p.strip()]
+    report: dict[str, Any] = {"workload": stream.describe(), "rate": args.rate, "results": []}
+    rows = []
+    first: ClusterConfig | None = None
+    for policy in policies:
+        cfg = _config(args, policy)
+        first = first or cfg
+        res, wall = _timed(policy, total, quiet, lambda pr, c=cfg: simulate(stream.at(args.rate), c, pr))
+        report["results"].append({"policy": policy, "wall_s": round(wall, 2), **res.to_json()})
+        rows.append(_row(f"kvroute-{policy}", res, wall))
+    assert first is not None
+    report["cluster"] = dataclasses.asdict(first)
+    if args.bound:
+        res, wall = _timed("bound", total, quiet, lambda pr: pooled_bound(stream.at(args.rate), first, pr))
+        report["bound_hit_rate"] = res.hit_rate
+        report["bound"] = {"wall_s": round(wall, 2), **res.to_json()}
+        rows.append(_row(f"pooled bound (1 x {args.workers})", res, wall))
+    if args.capacity:
+        cap = _capacity(stream, first, args, quiet)
+        report["capacity_rps"] = round(cap.rate, 3)
+        report["capacity"] = cap.to_json()
+    text = json.dumps(report, indent=None if args.json else 2, default=str)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.json:
+        print(text)
+        return 0
+    print(format_table(rows))
+    if args.capacity:
+        print(f"capacity: {report['capacity_rps']} req/s  (p99 TTFT <= {cap.limit_ms} ms = "
+              f"{cap.ttft_factor:g} x {cap.reference_ms} ms unloaded cold p99)")  # fmt: skip
+    if args.out:
+        print(f"JSON written to {args.out}")
+    return 0
+
+
+def _capacity(stream: _Stream, cfg: ClusterConfig, args: argparse.Namespace, quiet: bool) -> CapacityResult:
+    def show(p: CapacityProbe) -> None:
+        if not quiet:
+            verdict = "ok" if p.ok else "over"
+            print(f"  capacity probe {p.rate:9.3f} req/s: p99 TTFT {p.ttft_p99_ms} ms, "
+                  f"hit {p.hit_rate:.3f} -> {verdict}", file=sys.stderr)  # fmt: skip
+
+    return estimate_capacity(
+        stream.at, cfg, reference=stream.reference(), ttft_factor=args.ttft_factor, progress=show
+    )
