@@ -184,7 +184,7 @@ class FingerprintKeys:
         words = np.frombuffer(tokens, dtype="<u8", count=n * half).reshape(n, half)
         key = self._root if parent is None else parent
         out = []
-        for fp in (words * self._w).sum(axis=1).tolist():
+        for fp in (words @ self._w).tolist():
             key = hash((key, fp)) & _MASK64
             out.append(key)
         return out
@@ -474,6 +474,9 @@ class _Worker:
         "mode",
         "name",
         "pending",
+        "rep_at",
+        "rep_vals",
+        "sent_at",
         "span_dt",
         "span_start",
         "version",
@@ -491,10 +494,16 @@ class _Worker:
         self.clock = 0  # the engine's decode clock (decode iterations so far)
         self.finishes: list[int] = []  # decode clock at which each decoding request ends
         self.blocks: dict[int, int] = {}  # engine block id -> canonical key (the agent's map)
+        self.rep_vals: tuple[Any, ...] | None = None  # load values of the last applied report
+        self.rep_at = -_INF  # when it was applied
+        self.sent_at = -_INF  # when the gateway last sent this worker a request
 
 
 class ClusterSim:
     """One simulated cluster; ``run`` a request stream through it once."""
+
+    #: skip load reports that provably change nothing (see ``_report``); tests turn it off
+    skip_redundant_reports = True
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
@@ -523,7 +532,14 @@ class ClusterSim:
         self._inflight = 0
         self._more = True  # arrivals not exhausted
         self._last_finish = 0.0
-        self._stats = {"steps": 0, "step_calls": 0, "spans": 0, "interrupts": 0, "stalls": 0}
+        self._stats = {
+            "steps": 0,
+            "step_calls": 0,
+            "spans": 0,
+            "interrupts": 0,
+            "stalls": 0,
+            "reports_skipped": 0,
+        }
         self._ran = False
 
     # -- public -------------------------------------------------------------------------------
@@ -592,6 +608,7 @@ class ClusterSim:
         decision = router.route(keys, n, t, session_key=a.session)
         ticket = router.started(decision, n, t)
         w = self._by_name[decision.worker]
+        w.sent_at = t
         if w.mode == _SPAN:
             self._interrupt(w, t)
         flight = _Flight(a.index, t, ticket, w.i)
@@ -607,18 +624,19 @@ class ClusterSim:
             self._plan(w, max(t, w.core.free_at))
 
     def _interrupt(self, w: _Worker, t: float) -> None:
-        """An arrival at ``t`` during a decode span: run the span's steps that ended by
-        ``t``, then the step in flight at ``t`` (the new request waits for the next one)."""
-        core = w.core
+        """An arrival at ``t`` during a decode span: run the span's steps that started
+        before ``t`` in one fast-forward; the last of them is in flight at ``t`` and the new
+        request waits for the step after it, as on a live engine."""
         w.version += 1  # the span's end event is stale
         self._stats["interrupts"] += 1
-        if t - w.span_start >= w.span_dt:
-            self._deliver(w, self._step(core, w.span_start, t))
-        b = core.free_at
-        if b < t and core.has_work():
-            self._pend(w, self._step(core, b, None))
-        else:
+        start, dt = w.span_start, w.span_dt
+        k = math.ceil((t - start) / dt)
+        if k <= 0:  # the span had not begun: the engine is free at ``t``
             w.mode = _IDLE
+            return
+        # ``until`` half a step past the k-th step end: immune to rounding in the engine's
+        # int((until - start) / dt)
+        self._pend(w, self._step(w.core, start, start + (k + 0.5) * dt))
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -739,8 +757,8 @@ class ClusterSim:
         self._push(now + self.config.event_lag, _BUS, w, ops)
 
     def _apply(self, w: _Worker, payload: Any, t: float) -> None:
-        if isinstance(payload, EngineReport):
-            self.router.loads.report(w.name, payload, t)
+        if isinstance(payload, tuple):
+            self._report(w, payload, t)
             return
         index = self.index
         name = w.name
@@ -753,22 +771,38 @@ class ClusterSim:
                 index.cleared(name)
 
     def _sample(self, w: _Worker, t: float) -> None:
-        """The agent scrapes the engine's /metrics and publishes a load report."""
+        """The agent scrapes the engine's /metrics; its report reaches the gateway later."""
         cfg = self.config
         core = w.core
-        st = core.stats
-        rep = EngineReport(
-            running=core.num_running,
-            waiting=core.num_waiting,
-            kv_usage=core.kv_usage,
-            waiting_prefill_tokens=core.waiting_prompt_tokens if cfg.report_prefill_tokens else None,
-            prefix_cache_queries=st.cache_queries,
-            prefix_cache_hits=st.cache_hits,
-            ts=t,
-        )
-        self._push(t + cfg.report_lag, _BUS, w, rep)
+        wpt = core.waiting_prompt_tokens if cfg.report_prefill_tokens else None
+        vals = (core.num_running, core.num_waiting, core.kv_usage, wpt)
+        self._push(t + cfg.report_lag, _BUS, w, (vals, core.stats.cache_queries, core.stats.cache_hits, t))
         if self._more or self._inflight:
             self._push(t + cfg.report_interval, _SAMPLE, w, None)
+
+    def _report(self, w: _Worker, sample: tuple[Any, ...], t: float) -> None:
+        """Apply a load report, unless it provably changes nothing.
+
+        ``LoadTracker.report`` with the same load values as the last applied report, no
+        request sent to the worker since that one (so nothing is counted as "sent since the
+        report") and that report still far from its TTL yields the same view; skipping it
+        only saves time (most reports of a large cluster repeat the previous one).
+        """
+        vals, queries, hits, ts = sample
+        loads = self.router.loads
+        if (
+            vals == w.rep_vals
+            and w.sent_at < w.rep_at
+            and t - w.rep_at < loads.report_ttl / 2
+            and self.skip_redundant_reports
+        ):
+            self._stats["reports_skipped"] += 1
+            return
+        running, waiting, kv, wpt = vals
+        rep = EngineReport(running, waiting, kv, wpt, queries, hits, ts)
+        loads.report(w.name, rep, t)
+        w.rep_vals = vals
+        w.rep_at = t
 
     def _push(self, t: float, kind: int, a: Any, b: Any) -> None:
         self._seq += 1

@@ -72,6 +72,18 @@ def test_sim_process_port_layout_and_clean_stop(logs: Path) -> None:
         proc.stop()
 
 
+def test_port_in_use_is_a_clean_error(logs: Path) -> None:
+    base = contiguous_free_ports(3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base))
+        taken.listen()
+        proc = ChildProcess.kvroute(
+            ["sim", "--base-port", str(base), "--tokenizer", "none"], "sim", logs
+        ).start()
+        assert proc.proc is not None and proc.proc.wait(timeout=20) == 1
+    assert "address already in use" in proc.log_path.read_text()
+
+
 def test_config_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVROUTE_SIM_CACHE__KV_BLOCKS", "100")
     monkeypatch.setenv("KVROUTE_SIM_TIMING__PRESET", "seed-70b")

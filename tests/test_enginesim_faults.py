@@ -131,6 +131,7 @@ async def test_dropped_batches_make_a_gap_that_replay_fills() -> None:
             assert int.from_bytes(seq, "big") == missing + 2  # two batches never arrived
             got = await replay(ctx, w, missing, missing + 2)
             assert [int.from_bytes(f[-2], "big") for f in got] == [missing, missing + 1]
+            assert w.state()["replays_served"] >= 2  # the tap's sync and this one
         finally:
             tap.close()
     ctx.term()

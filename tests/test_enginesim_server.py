@@ -342,6 +342,8 @@ async def test_vllm_metrics_and_endpoints(zctx: zmq.asyncio.Context) -> None:
                           ("/sim/state", "stats")):  # fmt: skip
             async with s.get(w.http_url + path) as r:
                 assert r.status == 200 and key in await r.json()
+        async with s.get(w.http_url + "/sim/state") as r:
+            assert (await r.json())["event_format"] == "0.33"
         async with s.get(w.http_url + "/ping") as r:
             assert r.status == 200
         async with s.get(w.http_url + "/kv_event_sources") as r:

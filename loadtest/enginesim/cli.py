@@ -14,6 +14,8 @@ import signal
 import sys
 from typing import Any
 
+import zmq
+
 from gateway.config import ConfigError, parse_assignments
 from loadtest.enginesim.config import SimConfig, load_sim_config
 from loadtest.enginesim.timing import PRESETS
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(_serve(config))
-    except OSError as exc:
+    except (OSError, zmq.ZMQError) as exc:  # a port in use, a missing tokenizer
         print(f"kvroute sim: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -46,7 +46,6 @@ class Generation:
     """A request's progress, as the HTTP handler sees it."""
 
     req: SimRequest
-    stream: bool
     produced: int = 0  # tokens generated so far
     finished: bool = False
     error: str | None = None  # set when the engine died under the request
@@ -124,30 +123,11 @@ class SimWorker:
         cfg = self.config
         self.core = self._new_core(self._timing())
         self.metrics = EngineMetrics(cfg.flavor, cfg.model, lambda: self.core)
-        if cfg.events.enabled:
-            ev = cfg.events
-            fmt = WireFormat(
-                cfg.flavor, ev.encoding, cfg.cache.block_size, ev.hash_format == "bytes"
-            )
-            self._encoder = EventEncoder(fmt)
-            self.publisher = EventPublisher(
-                self._zmq,
-                cfg.host,
-                self._events_port,
-                self._replay_port,
-                topic=ev.topic,
-                buffer_steps=ev.buffer_steps,
-                hwm=ev.hwm,
-                replay_topic_frame=ev.replay_topic_frame,
-            )
-            await self.publisher.start()
-            self._events_port = self.publisher.port
-            self._replay_port = self.publisher.replay_port or 0
-        self._runner = web.AppRunner(
-            build_app(self), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
-        )
-        await self._runner.setup()
-        await self._listen()
+        try:
+            await self._open_io()
+        except BaseException:
+            await self._close_io(spare=None)  # a port in use: release what did open
+            raise
         self.paused = False
         self.alive = True
         self.started_at = time.time()
@@ -226,7 +206,8 @@ class SimWorker:
         return self.state()
 
     def state(self) -> dict[str, Any]:
-        core = self.core
+        """What the admin endpoints report about this worker."""
+        core, pub = self.core, self.publisher
         return {
             "worker": self.index,
             "alive": self.alive,
@@ -236,7 +217,9 @@ class SimWorker:
             "http_url": self.http_url,
             "events_endpoint": self.events_endpoint,
             "replay_endpoint": self.replay_endpoint,
-            "next_seq": None if self.publisher is None else self.publisher.next_seq,
+            "next_seq": None if pub is None else pub.next_seq,
+            "replays_served": None if pub is None else pub.replays_served,
+            "event_format": None if self._encoder is None else self._encoder.fmt.version,
             "running": core.num_running,
             "waiting": core.num_waiting,
             "kv_usage": core.kv_usage,
@@ -253,7 +236,7 @@ class SimWorker:
             raise RuntimeError("worker is not running")
         loop = asyncio.get_running_loop()
         req = self.core.add_request(prompt, max_tokens, loop.time())
-        gen = Generation(req, stream)
+        gen = Generation(req)
         req.tag = gen
         self._active[req.rid] = gen
         if stream:
@@ -335,6 +318,47 @@ class SimWorker:
         if res.events and self._encoder is not None and self.publisher is not None:
             await self.publisher.publish(self._encoder.encode(res.events, time.time()))
 
+    async def _open_io(self) -> None:
+        """Bind the event sockets (when events are on) and the HTTP listener."""
+        cfg = self.config
+        if cfg.events.enabled:
+            ev = cfg.events
+            fmt = WireFormat(
+                cfg.flavor, ev.encoding, cfg.cache.block_size, ev.hash_format == "bytes"
+            )
+            self._encoder = EventEncoder(fmt)
+            self.publisher = EventPublisher(
+                self._zmq,
+                cfg.host,
+                self._events_port,
+                self._replay_port,
+                topic=ev.topic,
+                buffer_steps=ev.buffer_steps,
+                hwm=ev.hwm,
+                replay_topic_frame=ev.replay_topic_frame,
+            )
+            await self.publisher.start()
+            self._events_port = self.publisher.port
+            self._replay_port = self.publisher.replay_port or 0
+        self._runner = web.AppRunner(
+            build_app(self), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await self._runner.setup()
+        await self._listen()
+
+    async def _close_io(self, spare: Any) -> None:
+        """Stop listening, reset connections (all but ``spare``), close the event sockets."""
+        await self.refuse_connections()
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            _abort_connections(runner, spare)
+            task = asyncio.create_task(runner.cleanup())
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
+        if self.publisher is not None:
+            await self.publisher.close()
+            self.publisher = None
+
     async def _die(self, spare: Any) -> None:
         if not self.alive:
             return
@@ -349,16 +373,7 @@ class SimWorker:
             gen._notify()
         self._active.clear()
         self._streaming.clear()
-        await self.refuse_connections()
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            _abort_connections(runner, spare)
-            task = asyncio.create_task(runner.cleanup())
-            self._cleanups.add(task)
-            task.add_done_callback(self._cleanups.discard)
-        if self.publisher is not None:
-            await self.publisher.close()
-            self.publisher = None
+        await self._close_io(spare)
 
 
 def _abort_connections(runner: web.AppRunner, spare: Any) -> None:
