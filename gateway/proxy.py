@@ -82,6 +82,17 @@ def _int(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
 
+class _SseResponse(web.StreamResponse):
+    """A streamed response whose headers leave with its first chunk.
+
+    ``StreamResponse.prepare`` otherwise sends the headers on their own; on loopback every
+    send costs a syscall plus the receiver's network processing, so coalescing saves one
+    per request (measured: ~0.3 ms each on the 2-core test machine).
+    """
+
+    _send_headers_immediately = False
+
+
 class _Retry(Exception):
     """This attempt failed before the client saw a byte: try another worker."""
 
@@ -140,9 +151,7 @@ class Proxy:
         inject_usage = creq.stream and creq.kind != "generate" and not creq.include_usage
         body = prep.body or creq.raw
         if inject_usage:
-            opts = dict(creq.body.get("stream_options") or {})
-            opts["include_usage"] = True
-            body = creq.with_changes(stream_options=opts) if prep.body is None else _set_usage(body, opts)
+            body = _with_usage(body, creq)
         headers = self._upstream_headers(request)
         tried: set[str] = set()
         last: _Retry | None = None
@@ -227,7 +236,8 @@ class Proxy:
     async def _first_chunk(self, resp: aiohttp.ClientResponse, wid: str) -> bytes:
         """The first body bytes, or a retry (the client has not been answered yet)."""
         try:
-            first = await asyncio.wait_for(resp.content.readany(), self.settings.first_byte_timeout)
+            async with asyncio.timeout(self.settings.first_byte_timeout):
+                first = await resp.content.readany()
         except TimeoutError:
             self.registry.on_failure(wid, self.clock(), fatal=False)
             raise _Retry("first_byte_timeout", False, f"{wid} sent nothing for {self.settings.first_byte_timeout:g}s") from None
@@ -245,7 +255,8 @@ class Proxy:
         chunks = []
         while True:
             try:
-                chunk = await asyncio.wait_for(resp.content.readany(), self.settings.idle_timeout)
+                async with asyncio.timeout(self.settings.idle_timeout):
+                    chunk = await resp.content.readany()
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 self.registry.on_failure(wid, self.clock(), fatal=False)
                 raise ApiError(502, f"worker {wid} failed while answering: {exc!r}", "upstream_error", code="upstream_broken") from None
@@ -272,7 +283,7 @@ class Proxy:
         headers["x-request-id"] = request["request_id"]
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
             headers["cache-control"] = "no-cache"
-            return web.StreamResponse(status=resp.status, headers=headers)
+            return _SseResponse(status=resp.status, headers=headers)
         return web.Response(status=resp.status, headers=headers)
 
     async def _stream(
@@ -290,7 +301,8 @@ class Proxy:
         await out.write(events.feed(first))
         while True:
             try:
-                chunk = await asyncio.wait_for(resp.content.readany(), self.settings.idle_timeout)
+                async with asyncio.timeout(self.settings.idle_timeout):
+                    chunk = await resp.content.readany()
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 self.registry.on_failure(wid, self.clock(), fatal=False)
                 self.metrics.stream_errors.labels(pool.name, wid).inc()
@@ -299,6 +311,11 @@ class Proxy:
             if not chunk:
                 break
             data = events.feed(chunk)
+            if events.done:  # [DONE] seen: the last events leave with the end of the body
+                self._count_usage(pool, wid, events.usage)
+                self.registry.on_success(wid)
+                await out.write_eof(data + events.flush())
+                return out
             if data:
                 await out.write(data)
         tail = events.flush()
@@ -393,9 +410,17 @@ def _json(data: bytes) -> Any:
         return None
 
 
-def _set_usage(body: bytes, opts: dict[str, Any]) -> bytes:
+def _with_usage(body: bytes, creq: ClientRequest) -> bytes:
+    """``body`` asking for the usage chunk at the end of the stream.
+
+    Without ``stream_options`` in the request (the common case) the member is spliced in
+    after the opening brace instead of re-encoding a body that may hold 8,000 tokens.
+    """
+    if "stream_options" not in creq.body:
+        brace = body.index(b"{")
+        return body[: brace + 1] + b'"stream_options":{"include_usage":true},' + body[brace + 1 :]
     obj = json.loads(body)
-    obj["stream_options"] = opts
+    obj["stream_options"] = {**(obj.get("stream_options") or {}), "include_usage": True}
     return json.dumps(obj, ensure_ascii=False).encode()
 
 

@@ -15,9 +15,11 @@ Each part mirrors a live component:
   gateway's proxy calls them;
 * a worker behaves like the live sim worker's driver loop: a step is computed when it starts
   and its results are delivered when it ends; a request arriving meanwhile waits for the next
-  step. A run of identical decode-only steps (nothing queued, nothing prefilling) is a *span*
-  materialised only when it ends (at the next finish, ``EngineCore``'s fast-forward) or when
-  an arrival interrupts it, so decode costs nothing per token or per step;
+  step. A run of identical decode-only steps up to the next finish (nothing queued or
+  prefilling, or a refused queue head) is a *span*, run with ``EngineCore``'s fast-forward in
+  one call when its last step starts (as live, that step's finishes are then visible in the
+  engine's state) or when an arrival interrupts it: decode costs nothing per token or step.
+  ``fast_forward = False`` steps one iteration per call instead; both give the same run;
 * KV events become canonical keys when the step ends (an engine block id -> key map per
   worker, like the agent's; canonical block size = the engine's) and reach the shadow index
   ``event_lag`` later (agent -> Redis -> consumer);
@@ -31,7 +33,7 @@ prefixes routes identically. Blocks of up to 64 tokens use the deployment's ``Bl
 Its path for larger blocks costs ~300 µs per 12k-token prompt here, so 512-token blocks (the
 Mooncake trace's) get ``FingerprintKeys``: a 64-bit random-weight fingerprint per block,
 chained with a 64-bit hash. Same chain property (``keys(tokens, parent)`` continues a
-chain), ~20 µs per prompt.
+chain), ~10 µs per 12k-token prompt.
 
 Pure: no I/O, no wall clock, no global state; deterministic for a seed. Results are compact
 columns (a million requests fit in tens of MB); ``summary`` has the load driver's format.
@@ -47,7 +49,7 @@ import random
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 
@@ -152,7 +154,9 @@ class TokenKeys:
     def keys(self, tokens: bytes, parent: int | None = None) -> list[int]:
         if len(tokens) < self.block_size * TOKEN_BYTES:
             return []
-        return self._keyer.keys(np.frombuffer(tokens, dtype="<u4"), parent)
+        # BlockKeyer takes numpy arrays too (no per-token Python objects)
+        ids = cast(Sequence[int], np.frombuffer(tokens, dtype="<u4"))
+        return self._keyer.keys(ids, parent)
 
 
 class FingerprintKeys:
@@ -256,7 +260,9 @@ class ClusterConfig:
         s = self.compute_scale
         if s == 1:
             return base
-        return dataclasses.replace(base, prefill_a=base.prefill_a / (s * s), prefill_b=base.prefill_b / s)
+        return dataclasses.replace(
+            base, prefill_a=base.prefill_a / (s * s), prefill_b=base.prefill_b / s
+        )
 
     def new_engine(self) -> EngineCore:
         cache = CacheConfig(
@@ -466,6 +472,7 @@ class _Worker:
     """One engine and its driver state (see the module docstring for the modes)."""
 
     __slots__ = (
+        "blocked",
         "blocks",
         "clock",
         "core",
@@ -491,6 +498,7 @@ class _Worker:
         self.span_start = 0.0
         self.span_dt = 0.0
         self.version = 0  # bumps invalidate this worker's queued events
+        self.blocked = False  # the queue's head was refused and nothing finished since
         self.clock = 0  # the engine's decode clock (decode iterations so far)
         self.finishes: list[int] = []  # decode clock at which each decoding request ends
         self.blocks: dict[int, int] = {}  # engine block id -> canonical key (the agent's map)
@@ -504,6 +512,9 @@ class ClusterSim:
 
     #: skip load reports that provably change nothing (see ``_report``); tests turn it off
     skip_redundant_reports = True
+    #: decode spans (see ``_plan``); off = one ``step`` call per engine step like the live
+    #: worker (tests check both give the same run)
+    fast_forward = True
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
@@ -654,35 +665,38 @@ class ClusterSim:
         self._push(res.end, _WORKER, w, w.version)
 
     def _plan(self, w: _Worker, now: float) -> None:
-        """The engine is free at ``now``: start its next step (or span, or go idle)."""
+        """The engine is free at ``now``: start its next step, or a decode span, or idle.
+
+        The next steps are decode-only until a request finishes when nothing is queued or
+        prefilling, or when the queue's head was just refused (memory, ``max_num_seqs``) and
+        no request finished since: a refused head stays refused until a finish frees room,
+        and later arrivals queue behind it.
+        """
         core = w.core
         if not core.has_work():
             w.mode = _IDLE
             return
-        if core.num_waiting:
-            # Either the head is admitted (a single step) or it is blocked (memory, seq
-            # limit) and stays blocked whatever arrives until a request finishes: the engine
-            # may fast-forward to that finish.
-            res = self._step(core, now, _INF)
-        elif core.waiting_prompt_tokens == 0:
+        if self.fast_forward and (w.blocked or core.waiting_prompt_tokens == 0):
             fin = w.finishes
             while fin and fin[0] <= w.clock:
                 heapq.heappop(fin)
             k = fin[0] - w.clock
-            dt = core.timing.step_seconds(0, core.num_running, core.kv_usage)
-            w.mode = _SPAN
-            w.span_start = now
-            w.span_dt = dt
-            w.version += 1
-            self._stats["spans"] += 1
-            self._push(now + k * dt, _WORKER, w, w.version)
-            return
-        else:
-            res = self._step(core, now, None)
+            if k > 1:
+                # Like a live engine, the span's last step is computed when it starts (its
+                # finishes show in the engine's state from then on): the span's event.
+                w.mode = _SPAN
+                w.span_start = now
+                w.span_dt = core.timing.step_seconds(0, core.num_running, core.kv_usage)
+                w.version += 1
+                self._stats["spans"] += 1
+                self._push(now + (k - 1) * w.span_dt, _WORKER, w, w.version)
+                return
+        res = self._step(core, now, None)
         if not res.steps:  # nothing schedulable (cannot happen with a consistent engine)
             self._stats["stalls"] += 1
             w.mode = _IDLE
             return
+        w.blocked = res.prefill_tokens == 0 and core.num_waiting > 0 and not res.finished
         self._pend(w, res)
 
     def _worker_event(self, w: _Worker, version: int, t: float) -> None:
@@ -693,13 +707,15 @@ class ClusterSim:
             assert res is not None
             w.pending = None
             self._deliver(w, res)
-        elif w.mode == _SPAN:
+        else:  # _SPAN: its last step starts now; run the whole span, deliver at its end
             res = self._step(w.core, w.span_start, _INF)
-            if abs(res.end - t) > 1e-9 * max(1.0, t) or not res.finished:
+            if abs(res.end - t - w.span_dt) > 1e-9 * max(1.0, t) or not res.finished:
                 raise AssertionError(
-                    f"{w.name}: decode span predicted to end at {t}, engine ended at {res.end}"
+                    f"{w.name}: decode span predicted to end at {t + w.span_dt}, "
+                    f"the engine ended it at {res.end}"
                 )
-            self._deliver(w, res)
+            self._pend(w, res)
+            return
         self._plan(w, t)
 
     def _deliver(self, w: _Worker, res: StepResult) -> None:
@@ -715,6 +731,7 @@ class ClusterSim:
             if req.max_tokens > 1:
                 heapq.heappush(w.finishes, w.clock + req.max_tokens - 1)
         if res.finished:
+            w.blocked = False  # a finish frees blocks and a sequence slot
             tab = self._table
             for req in res.finished:
                 f = req.tag
@@ -776,7 +793,9 @@ class ClusterSim:
         core = w.core
         wpt = core.waiting_prompt_tokens if cfg.report_prefill_tokens else None
         vals = (core.num_running, core.num_waiting, core.kv_usage, wpt)
-        self._push(t + cfg.report_lag, _BUS, w, (vals, core.stats.cache_queries, core.stats.cache_hits, t))
+        self._push(
+            t + cfg.report_lag, _BUS, w, (vals, core.stats.cache_queries, core.stats.cache_hits, t)
+        )
         if self._more or self._inflight:
             self._push(t + cfg.report_interval, _SAMPLE, w, None)
 
@@ -980,4 +999,6 @@ def estimate_capacity(
             lo = mid
         else:
             hi = mid
-    return CapacityResult(lo, round(limit, 2), round(ref, 2), ttft_factor, probes, CAPACITY_DEFINITION)
+    return CapacityResult(
+        lo, round(limit, 2), round(ref, 2), ttft_factor, probes, CAPACITY_DEFINITION
+    )

@@ -31,7 +31,9 @@ import math
 import struct
 import sys
 import time
+from array import array
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +53,12 @@ from loadtest.clustersim import (
     simulate,
 )
 from loadtest.report import format_table
-from loadtest.workloads import make_workload, tokenize_segments, write_synthetic_trace
+from loadtest.workloads import WorkItem, make_workload, tokenize_segments, write_synthetic_trace
 
 __all__ = [
     "TraceInfo",
     "compare_reference",
+    "items_arrivals",
     "scan_trace",
     "trace_arrivals",
     "workload_arrivals",
@@ -84,16 +87,30 @@ def workload_arrivals(
     ``tokenizer``: a ``gateway.tokenization.Tokenizer``; default the bundled test tokenizer
     with ``chat_template`` (the stack's defaults).
     """
-    from array import array
+    wl = make_workload(kind, seed=seed, **dict(params or {}))
+    if wl.prompt_kind != "text":
+        raise ValueError(f"workload {kind!r} has no text prompts; use trace_arrivals")
+    return items_arrivals(
+        list(wl.items()), mode=mode, tokenizer=tokenizer, chat_template=chat_template
+    )
 
+
+def items_arrivals(
+    items: list[WorkItem],
+    *,
+    mode: str = "chat",
+    tokenizer: Any = None,
+    chat_template: str = "deepseek-v3",
+) -> list[Arrival]:
+    """``WorkItem``s as arrivals, tokenized like the load driver's ``mode`` sends them.
+
+    ``completion_ids`` tokenizes the items' segments in place (``tokenize_segments``), so the
+    same items can then be sent by the live driver with identical token ids.
+    """
     if tokenizer is None:
         from gateway.tokenization import Tokenizer, bundled_test_tokenizer
 
         tokenizer = Tokenizer.load(bundled_test_tokenizer(), chat_template)
-    wl = make_workload(kind, seed=seed, **dict(params or {}))
-    if wl.prompt_kind != "text":
-        raise ValueError(f"workload {kind!r} has no text prompts; use trace_arrivals")
-    items = list(wl.items())
     if mode == "completion_ids":
         tokenize_segments(items, lambda text: tokenizer.encode(text, add_special_tokens=False))
         ids = [it.prompt_ids() for it in items]
@@ -141,7 +158,9 @@ def _records(path: str | Path, limit: int | None) -> Iterator[_Record]:
             try:
                 rec = decode(line)
             except msgspec.DecodeError as exc:
-                raise ValueError(f"{path}: record {n} is not a Mooncake trace record: {exc}") from None
+                raise ValueError(
+                    f"{path}: record {n} is not a Mooncake trace record: {exc}"
+                ) from None
             n += 1
             yield rec
 
@@ -185,7 +204,11 @@ def trace_arrivals(
         if not parts:
             continue
         yield Arrival(
-            i, rec.timestamp / 1000.0 / speed, b"".join(parts), max(1, rec.output_length), f"trace-{i}"
+            i,
+            rec.timestamp / 1000.0 / speed,
+            b"".join(parts),
+            max(1, rec.output_length),
+            f"trace-{i}",
         )
 
 
@@ -225,7 +248,9 @@ def compare_reference(
         seed=seed,
         slo_ttft_ms=slo_ttft_ms,
     )
-    cap = estimate_capacity(lambda r: retime(arrivals, r), cfg, reference=arrivals, ttft_factor=ttft_factor)
+    cap = estimate_capacity(
+        lambda r: retime(arrivals, r), cfg, reference=arrivals, ttft_factor=ttft_factor
+    )
     at = rate or 0.6 * cap.rate
     stream = retime(arrivals, at) if at > 0 else arrivals
     bound = pooled_bound(stream, cfg)
@@ -357,6 +382,12 @@ def _config(args: argparse.Namespace, policy: str) -> ClusterConfig:
     )
 
 
+def _simulate(
+    stream: _Stream, rate: float | None, cfg: ClusterConfig, progress: Callable[[int], None]
+) -> SimResult:
+    return simulate(stream.at(rate), cfg, progress)
+
+
 def _timed(
     label: str, total: int | None, quiet: bool, fn: Callable[[Callable[[int], None]], SimResult]
 ) -> tuple[SimResult, float]:
@@ -418,13 +449,15 @@ def run(args: argparse.Namespace) -> int:
     for policy in policies:
         cfg = _config(args, policy)
         first = first or cfg
-        res, wall = _timed(policy, total, quiet, lambda pr, c=cfg: simulate(stream.at(args.rate), c, pr))
+        res, wall = _timed(policy, total, quiet, partial(_simulate, stream, args.rate, cfg))
         report["results"].append({"policy": policy, "wall_s": round(wall, 2), **res.to_json()})
         rows.append(_row(f"kvroute-{policy}", res, wall))
     assert first is not None
     report["cluster"] = dataclasses.asdict(first)
     if args.bound:
-        res, wall = _timed("bound", total, quiet, lambda pr: pooled_bound(stream.at(args.rate), first, pr))
+        res, wall = _timed(
+            "bound", total, quiet, lambda pr: pooled_bound(stream.at(args.rate), first, pr)
+        )
         report["bound_hit_rate"] = res.hit_rate
         report["bound"] = {"wall_s": round(wall, 2), **res.to_json()}
         rows.append(_row(f"pooled bound (1 x {args.workers})", res, wall))
@@ -447,7 +480,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _capacity(stream: _Stream, cfg: ClusterConfig, args: argparse.Namespace, quiet: bool) -> CapacityResult:
+def _capacity(
+    stream: _Stream, cfg: ClusterConfig, args: argparse.Namespace, quiet: bool
+) -> CapacityResult:
     def show(p: CapacityProbe) -> None:
         if not quiet:
             verdict = "ok" if p.ok else "over"

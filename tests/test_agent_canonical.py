@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from gateway.bus import Cleared, Removed, Stored
 from gateway.keys import BlockKeyer
+from worker_agent.batchkeys import keys_many
 from worker_agent.canonical import RankCanonicaliser
 from worker_agent.engines.decode import BlockRemoved, BlockStored
 from worker_agent.mirror import WorkerMirror, build_chains
@@ -217,3 +218,33 @@ def test_mirror_counts_ranks_and_builds_parent_first_chains() -> None:
         assert len(chain) <= 2
     assert seen == {1, 2, 3, 4, 5, 6}
     assert m.clear() == [Cleared()] and len(m) == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    bs=st.sampled_from([1, 4, 16, 64]),
+    chains=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 2**31 - 1), max_size=200),
+            st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_keys_many_equals_the_keyer(bs: int, chains: list) -> None:
+    keyer = BlockKeyer("test-seed", bs)
+    assert keys_many(keyer, chains) == [keyer.keys(t, p) for t, p in chains]
+
+
+def test_a_wave_of_many_stores_is_keyed_at_once() -> None:
+    canon = RankCanonicaliser(KEYER)
+    rng = random.Random(3)
+    seqs = [[rng.randrange(1000) for _ in range(48)] for _ in range(12)]
+    evs = [BlockStored([f"{i}-{b}" for b in range(3)], None, s, 16) for i, s in enumerate(seqs)]
+    evs[5] = BlockStored(["bad"], None, [-1] * 16, 16)  # invalid tokens: counted, skipped
+    out = canon.stored_many(evs)
+    assert out[5] == [] and canon.bad["tokens"] == 1
+    for i, s in enumerate(seqs):
+        if i != 5:
+            assert out[i] == [(None, KEYER.keys(s))]

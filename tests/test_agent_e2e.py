@@ -77,7 +77,9 @@ async def test_gap_is_replayed(redis_server: RedisServer) -> None:
 
 
 @pytest.mark.parametrize("replay", [False, True])
-async def test_unrecoverable_gap_clears_and_resyncs(redis_server: RedisServer, replay: bool) -> None:
+async def test_unrecoverable_gap_clears_and_resyncs(
+    redis_server: RedisServer, replay: bool
+) -> None:
     # replay=True: the replay buffer is too short ("too old"); False: no replay socket
     engine = FakeEngine("sglang-0.5.23", block_size=1, replay=replay, buffer_steps=2)
     try:

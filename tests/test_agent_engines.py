@@ -55,7 +55,12 @@ def test_vllm_metrics() -> None:
     a = adapter_for("vllm")
     samples = parse_metrics(VLLM_METRICS, a.metric_names)
     assert a.report(samples, 9.0) == EngineReport(
-        running=4, waiting=2, kv_usage=0.375, prefix_cache_queries=1000, prefix_cache_hits=600, ts=9.0
+        running=4,
+        waiting=2,
+        kv_usage=0.375,
+        prefix_cache_queries=1000,
+        prefix_cache_hits=600,
+        ts=9.0,
     )
     assert a.capacity_tokens(samples) == 2048 * 16
 
@@ -82,7 +87,10 @@ def test_vllm_discovery_documents() -> None:
     ]
     one = {"enable_kv_cache_events": True, "endpoint": "tcp://*:6000", "topic": "kv", "dp_size": 2}
     found = a.discover(one, "http://h:1")
-    assert [(s.endpoint, s.topic) for s in found.sources] == [("tcp://h:6000", "kv"), ("tcp://h:6001", "kv")]
+    assert [(s.endpoint, s.topic) for s in found.sources] == [
+        ("tcp://h:6000", "kv"),
+        ("tcp://h:6001", "kv"),
+    ]
     with pytest.raises(DiscoveryError):
         a.discover({"enable_kv_cache_events": False, "endpoint": "tcp://*:1"}, "http://h:1")
 

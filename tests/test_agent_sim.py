@@ -67,7 +67,9 @@ async def test_sim_workers_index_equals_mirrors(
             for s, c in zip(agent_stacks, configs, strict=True)
         ]
         try:
-            systems = [[rng.randrange(1, 30_000) for _ in range(rng.randint(20, 120))] for _ in range(6)]
+            systems = [
+                [rng.randrange(1, 30_000) for _ in range(rng.randint(20, 120))] for _ in range(6)
+            ]
             for step in range(30):
                 i = rng.randrange(len(cluster.workers))
                 w = cluster.workers[i]
@@ -80,12 +82,15 @@ async def test_sim_workers_index_equals_mirrors(
                         running_agent(configs[1], url)
                     )
                 prompts = [
-                    rng.choice(systems) + [rng.randrange(1, 30_000) for _ in range(rng.randint(1, 200))]
+                    rng.choice(systems)
+                    + [rng.randrange(1, 30_000) for _ in range(rng.randint(1, 200))]
                     for _ in range(rng.randint(1, 6))
                 ]
                 await asyncio.gather(*(request(w, p) for p in prompts))
             for a, w in zip(agents, cluster.workers, strict=True):
-                await poll(lambda a=a, w=w: a.mirror_keys() == cached_keys(w), 15, "mirror == cache")
+                await poll(
+                    lambda a=a, w=w: a.mirror_keys() == cached_keys(w), 15, "mirror == cache"
+                )
             await settle(consumer, agents, 15)
             assert all(a.mirror_keys() for a in agents)
             removed = sum(a.metrics.value("canonical_blocks_total", op="removed") for a in agents)

@@ -19,7 +19,7 @@ import pytest
 from loadtest.stack import ADMIN_KEY, Stack, StackConfig
 
 MODEL = "sim-model"
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau"]
 
 
 def text(seed: int, n_words: int) -> str:

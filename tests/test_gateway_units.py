@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from gateway.circuit import Circuit, CircuitState
 from gateway.errors import ApiError
 from gateway.limits import Admission, TokenBucket
-from gateway.proxy import _SseFilter, parse_usage
+from gateway.proxy import _SseFilter, _with_usage, parse_usage
 from gateway.registry import check_upstream_url
 from gateway.requests import parse_body, too_long
 
@@ -226,3 +226,13 @@ def test_usage_from_sglang_meta_info() -> None:
     assert u is not None and u.cached_tokens == 3
     assert parse_usage([{"meta_info": {"prompt_tokens": 2, "cached_tokens": 1}}, {"meta_info": {"prompt_tokens": 3}}]).prompt_tokens == 5  # type: ignore[union-attr]
     assert parse_usage({"usage": {"prompt_tokens": True}}).prompt_tokens == 0  # type: ignore[union-attr]
+
+
+def test_usage_request_spliced_without_reencoding() -> None:
+    raw = rb'  {"model": "m", "messages": [{"role": "user", "content": "\u00e9"}], "stream": true}'
+    creq = parse_body(raw, "chat")
+    out = json.loads(_with_usage(raw, creq))
+    assert out == {**creq.body, "stream_options": {"include_usage": True}}
+    raw2 = body(model="m", messages=[{"role": "user", "content": "x"}], stream=True, stream_options={"continuous_usage_stats": False})
+    out2 = json.loads(_with_usage(raw2, parse_body(raw2, "chat")))
+    assert out2["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}

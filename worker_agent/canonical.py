@@ -25,27 +25,40 @@ removals are dropped alike, so they never touch the GPU key set.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from itertools import repeat
+from typing import Final, NamedTuple
 
 from gateway.keys import BlockKeyer, InvalidTokens
-from worker_agent.engines.decode import BadEvent, BlockRemoved, BlockStored, EngineHash
+from worker_agent.batchkeys import keys_many
+from worker_agent.engines.decode import BlockRemoved, BlockStored, EngineHash
 
 __all__ = ["Chain", "RankCanonicaliser"]
 
 #: (parent key or None for a root, keys) — a run of newly held keys.
 Chain = tuple[int | None, list[int]]
 
+#: Waves of at least this many chains are keyed in one vectorised call.
+BATCH_KEYS_MIN = 8
 
-@dataclass(slots=True)
-class _Block:
-    """What the agent remembers about one engine block it holds."""
+# An engine block record is a plain tuple (this is the agent's per-block hot path):
+# (engine parent, size in tokens, end_key, tail tokens, keys it completes, keys it starts)
+_Block = tuple[
+    EngineHash | None, int, int | None, tuple[int, ...], tuple[int, ...], tuple[int, ...]
+]
+_PARENT: Final = 0
+_SIZE: Final = 1
+_END: Final = 2
+_TAIL: Final = 3
+_COMPLETES: Final = 4
+_SHARES: Final = 5
 
-    parent: EngineHash | None
-    size: int
-    end_key: int | None
+
+class _Prepared(NamedTuple):
+    ev: BlockStored
+    base: int | None
     tail: tuple[int, ...]
-    completes: list[int]  # canonical keys whose last token is in this block
-    shares: list[int]  # keys completed by a descendant that start in this block
+    owners: list[EngineHash] | None  # engine blocks holding ``tail``; None: one is gone
+    tokens: list[int]
 
 
 class RankCanonicaliser:
@@ -69,6 +82,7 @@ class RankCanonicaliser:
         self.blocks: dict[EngineHash, _Block] = {}
         self.count: dict[int, int] = {}  # held key -> engine blocks completing it
         self.dropped: Counter[str] = Counter()  # blocks not canonicalised, by reason
+        self.bad: Counter[str] = Counter()  # events rejected, by reason
 
     @property
     def held(self) -> set[int]:
@@ -76,34 +90,20 @@ class RankCanonicaliser:
 
     def stored(self, ev: BlockStored) -> list[Chain]:
         """Apply a BlockStored; returns chains of keys this rank newly holds."""
-        reason = self._reject(ev.medium, ev.group_idx, ev.spec_kind, ev.keyed_extra)
-        if reason:
-            self.dropped[reason] += len(ev.hashes)
-            return []
-        base: int | None = None
-        tail: tuple[int, ...] = ()
-        owners: list[_Block] | None = []
-        if ev.parent is not None:
-            prec = self.blocks.get(ev.parent)
-            if prec is None:
-                self.dropped["unknown_parent"] += len(ev.hashes)
-                return []
-            base, tail = prec.end_key, prec.tail
-            owners = self._tail_owners(ev.parent, len(tail))
-        tokens = [*tail, *ev.token_ids] if tail else ev.token_ids
-        try:
-            keys = self.keyer.keys(tokens, base)
-        except InvalidTokens:
-            raise BadEvent("tokens") from None
-        broken = bool(tail and keys and owners is None)
-        if broken:  # an ancestor holding the first tokens of keys[0] is gone
-            self.dropped["broken_prefix"] += 1
-        elif tail and keys and owners:
-            for owner in owners:
-                if keys[0] not in owner.shares:
-                    owner.shares.append(keys[0])
-        fresh = self._record(ev, tokens, len(tail), base, keys, skip=keys[0] if broken else None)
-        return _chains(base, keys, fresh)
+        return self.stored_many([ev])[0]
+
+    def stored_many(self, evs: list[BlockStored]) -> list[list[Chain]]:
+        """Apply BlockStored events whose parents are not among each other's blocks
+        (one wave: their keys are computed in one call); chains per event, in order."""
+        prepared = [self._prepare(ev) for ev in evs]
+        todo = [p for p in prepared if p is not None]
+        all_keys = self._keys([(p.tokens, p.base) for p in todo])
+        out: list[list[Chain]] = []
+        it = iter(all_keys)
+        for p in prepared:
+            keys = next(it) if p is not None else None
+            out.append([] if p is None or keys is None else self._apply(p, keys))
+        return out
 
     def removed(self, ev: BlockRemoved) -> list[int]:
         """Apply a BlockRemoved; returns keys this rank no longer holds."""
@@ -118,7 +118,7 @@ class RankCanonicaliser:
             if block is None:
                 self.dropped["unknown_remove"] += 1
                 continue
-            for k in block.completes:
+            for k in block[_COMPLETES]:
                 c = count.get(k)
                 if c is None:
                     continue
@@ -127,7 +127,7 @@ class RankCanonicaliser:
                 else:
                     del count[k]
                     out.append(k)
-            for k in block.shares:
+            for k in block[_SHARES]:
                 if count.pop(k, None) is not None:
                     out.append(k)
         return out
@@ -140,6 +140,60 @@ class RankCanonicaliser:
         return out
 
     # -- internals --------------------------------------------------------------------------
+
+    def _prepare(self, ev: BlockStored) -> _Prepared | None:
+        reason = self._reject(ev.medium, ev.group_idx, ev.spec_kind, ev.keyed_extra)
+        if reason:
+            self.dropped[reason] += len(ev.hashes)
+            return None
+        if ev.parent is None:
+            return _Prepared(ev, None, (), [], ev.token_ids)
+        prec = self.blocks.get(ev.parent)
+        if prec is None:
+            self.dropped["unknown_parent"] += len(ev.hashes)
+            return None
+        tail = prec[_TAIL]
+        owners = self._tail_owners(ev.parent, len(tail)) if tail else []
+        tokens = [*tail, *ev.token_ids] if tail else ev.token_ids
+        return _Prepared(ev, prec[_END], tail, owners, tokens)
+
+    def _keys(self, chains: list[tuple[list[int], int | None]]) -> list[list[int] | None]:
+        """Keys per chain; None for a chain with invalid token ids (counted)."""
+        try:
+            if len(chains) >= BATCH_KEYS_MIN:
+                return list(keys_many(self.keyer, chains))
+            return [self.keyer.keys(t, b) for t, b in chains]
+        except InvalidTokens:
+            pass
+        out: list[list[int] | None] = []
+        for t, b in chains:
+            try:
+                out.append(self.keyer.keys(t, b))
+            except InvalidTokens:
+                self.bad["tokens"] += 1
+                out.append(None)
+        return out
+
+    def _apply(self, p: _Prepared, keys: list[int]) -> list[Chain]:
+        broken = bool(p.tail and keys and p.owners is None)
+        if broken:  # an ancestor holding the first tokens of keys[0] is gone
+            self.dropped["broken_prefix"] += 1
+        elif p.tail and keys and p.owners:
+            for h in p.owners:
+                rec = self.blocks[h]
+                if keys[0] not in rec[_SHARES]:
+                    self.blocks[h] = (*rec[:_SHARES], (*rec[_SHARES], keys[0]))
+        ev = p.ev
+        cbs = self.keyer.block_size
+        if not p.tail and ev.block_size % cbs == 0 and self.blocks.keys().isdisjoint(ev.hashes):
+            fresh = self._record_aligned(ev, keys, p.base)
+        else:
+            fresh = self._record(
+                ev, p.tokens, len(p.tail), p.base, keys, keys[0] if broken else None
+            )
+        if len(fresh) == len(keys):
+            return [(p.base, keys)] if keys else []
+        return _chains(p.base, keys, fresh)
 
     def _reject(
         self, medium: str | None, group: int | None, kind: str | None, keyed: bool
@@ -154,18 +208,50 @@ class RankCanonicaliser:
             return "extra_keys"
         return None
 
-    def _tail_owners(self, parent: EngineHash, need: int) -> list[_Block] | None:
+    def _tail_owners(self, parent: EngineHash, need: int) -> list[EngineHash] | None:
         """Engine blocks holding the last ``need`` tokens before a child (None: one is gone)."""
-        owners: list[_Block] = []
+        owners: list[EngineHash] = []
         cur: EngineHash | None = parent
         while need > 0:
             block = self.blocks.get(cur) if cur is not None else None
-            if block is None:
+            if block is None or cur is None:
                 return None
-            owners.append(block)
-            need -= block.size
-            cur = block.parent
+            owners.append(cur)
+            need -= block[_SIZE]
+            cur = block[_PARENT]
         return owners
+
+    def _record_aligned(self, ev: BlockStored, keys: list[int], base: int | None) -> set[int]:
+        """Fast path: engine blocks a multiple of canonical ones, none known yet."""
+        hashes = ev.hashes
+        r = ev.block_size // self.keyer.block_size
+        if r == 1:
+            completes: list[tuple[int, ...]] = [(k,) for k in keys]
+            ends: list[int] = keys
+        else:
+            completes = [tuple(keys[i * r : (i + 1) * r]) for i in range(len(hashes))]
+            ends = keys[r - 1 :: r]
+        parents = [ev.parent, *hashes[:-1]]
+        self.blocks.update(
+            zip(
+                hashes,
+                zip(parents, repeat(ev.block_size), ends, repeat(()), completes, repeat(())),
+                strict=False,
+            )
+        )
+        count = self.count
+        if count.keys().isdisjoint(keys):
+            count.update(zip(keys, repeat(1)))
+            return set(keys)
+        fresh = set()
+        for k in keys:
+            c = count.get(k)
+            if c is None:
+                count[k] = 1
+                fresh.add(k)
+            else:
+                count[k] = c + 1
+        return fresh
 
     def _record(
         self,
@@ -191,11 +277,11 @@ class RankCanonicaliser:
             if h in blocks:  # a re-announced block: nothing new
                 prev = h
                 continue
-            completes = [k for k in keys[start // cbs : min(done, n)] if k != skip]
-            shares = [keys[done]] if end % cbs and done < n else []
+            completes = tuple(k for k in keys[start // cbs : min(done, n)] if k != skip)
+            shares = (keys[done],) if end % cbs and done < n else ()
             end_key = keys[done - 1] if done else base
             tail = tuple(tokens[done * cbs : end]) if done * cbs < end else ()
-            blocks[h] = _Block(prev, bs, end_key, tail, completes, shares)
+            blocks[h] = (prev, bs, end_key, tail, completes, shares)
             for k in completes:
                 c = count.get(k)
                 if c is None:

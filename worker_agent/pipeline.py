@@ -16,7 +16,6 @@ from gateway.keys import BlockKeyer
 from worker_agent.canonical import RankCanonicaliser
 from worker_agent.engines.decode import (
     BadBatch,
-    BadEvent,
     BlockRemoved,
     BlockStored,
     DecodeLimits,
@@ -46,6 +45,10 @@ class EventPipeline:
         self.sink = sink
         self.metrics = metrics
         self.limits = limits or DecodeLimits()
+        self._stored = metrics.events.labels("stored")
+        self._removed = metrics.events.labels("removed")
+        self._blocks_stored = metrics.blocks.labels("stored")
+        self._blocks_removed = metrics.blocks.labels("removed")
 
     def on_batch(self, rank: int, seq: int, payload: bytes) -> bool:
         """Apply one engine batch; False if it was undecodable (the rank is then cleared)."""
@@ -62,30 +65,44 @@ class EventPipeline:
             m.bad.labels(reason).inc()
         canon = self.ranks[rank]
         out = _Events()
+        wave: list[BlockStored] = []
+        wave_hashes: set[object] = set()
         stored = removed = 0
         for ev in batch.events:
-            try:
-                if type(ev) is BlockStored:
-                    stored += 1
-                    chains = canon.stored(ev)
-                    if chains:
-                        out.extend(self.mirror.add(chains))
-                elif type(ev) is BlockRemoved:
-                    removed += 1
-                    gone = canon.removed(ev)
-                    if gone:
-                        out.extend(self.mirror.drop(gone))
-                else:
-                    m.events.labels("cleared").inc()
-                    m.clears.labels("engine").inc()
-                    out.extend(self._clear_rank(rank))
-            except BadEvent as exc:
-                m.bad.labels(exc.reason).inc()
-        m.events.labels("stored").inc(stored)
-        m.events.labels("removed").inc(removed)
-        self._flush_dropped(canon)
+            if type(ev) is BlockStored:
+                stored += 1
+                if ev.parent is not None and ev.parent in wave_hashes:
+                    self._store_wave(canon, wave, out)  # it depends on the wave: flush first
+                    wave_hashes.clear()
+                wave.append(ev)
+                wave_hashes.update(ev.hashes)
+                continue
+            self._store_wave(canon, wave, out)
+            wave_hashes.clear()
+            if type(ev) is BlockRemoved:
+                removed += 1
+                gone = canon.removed(ev)
+                if gone:
+                    out.extend(self.mirror.drop(gone))
+            else:
+                m.events.labels("cleared").inc()
+                m.clears.labels("engine").inc()
+                out.extend(self._clear_rank(rank))
+        self._store_wave(canon, wave, out)
+        self._stored.inc(stored)
+        self._removed.inc(removed)
+        self._flush_counters(canon)
         self._emit(out.items, rank, seq, batch.ts)
         return True
+
+    def _store_wave(self, canon: RankCanonicaliser, wave: list[BlockStored], out: _Events) -> None:
+        """Stores with no dependency among them: keyed together, applied in order."""
+        if not wave:
+            return
+        for chains in canon.stored_many(wave):
+            if chains:
+                out.extend(self.mirror.add(chains))
+        wave.clear()
 
     def on_reset(self, rank: int, reason: str) -> None:
         """The rank's engine history is lost: publish that it holds nothing."""
@@ -100,19 +117,28 @@ class EventPipeline:
 
     def _emit(self, events: list[Event], rank: int, seq: int, ts: float) -> None:
         m = self.metrics
+        stored = removed = 0
         for ev in events:
-            if isinstance(ev, Removed):
-                m.blocks.labels("removed").inc(len(ev.keys))
-            elif isinstance(ev, Stored):
-                m.blocks.labels("stored").inc(len(ev.keys))
+            if type(ev) is Removed:
+                removed += len(ev.keys)
+            elif type(ev) is Stored:
+                stored += len(ev.keys)
+        if stored:
+            self._blocks_stored.inc(stored)
+        if removed:
+            self._blocks_removed.inc(removed)
         m.mirror_blocks.set(len(self.mirror))
         self.sink(events, rank, seq, ts)
 
-    def _flush_dropped(self, canon: RankCanonicaliser) -> None:
+    def _flush_counters(self, canon: RankCanonicaliser) -> None:
         if canon.dropped:
             for reason, n in canon.dropped.items():
                 self.metrics.dropped.labels(reason).inc(n)
             canon.dropped.clear()
+        if canon.bad:
+            for reason, n in canon.bad.items():
+                self.metrics.bad.labels(reason).inc(n)
+            canon.bad.clear()
 
 
 class _Events:

@@ -73,10 +73,10 @@ class SyntheticEngine:
     removed: int = 0
 
     def batch(self, events_per_batch: int, blocks_per_event: int) -> list[Any]:
-        events: list[Any] = []
-        for _ in range(events_per_batch):
-            events.extend(self._evict(blocks_per_event))
-            events.append(self._store(blocks_per_event))
+        """One engine step: evictions for the new blocks first, then the stores (vLLM
+        allocates before it caches full blocks)."""
+        events: list[Any] = self._evict(events_per_batch * blocks_per_event)
+        events.extend(self._store(blocks_per_event) for _ in range(events_per_batch))
         return events
 
     def _store(self, n: int) -> dict[str, Any]:
@@ -217,7 +217,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         await _wait(lambda: WORKER in consumer.workers() and WORKER in consumer.applier.cursors, 30)
         # warm-up: a first batch proves the whole path (and the SUB has joined)
         while tap.last_seq < 0:
-            await pub.send(enc.encode([time.time(), [], 0]))
+            await pub.send(enc.encode([time.time(), engine.batch(1, 1), 0]))
             await asyncio.sleep(0.05)
         # -- phase 1: throughput ------------------------------------------------------------
         per_batch = args.events_per_batch * args.blocks_per_event
