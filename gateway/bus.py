@@ -19,7 +19,6 @@ same bytes (docs/protocol.md is the contract):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -419,8 +418,3 @@ def try_decode_entry(data: bytes) -> Entry | None:
         return decode_entry(data)
     except (msgspec.DecodeError, ValueError):
         return None
-
-
-def replace_info(info: WorkerInfo, **changes: Any) -> WorkerInfo:
-    """``dataclasses.replace`` for ``WorkerInfo`` (kept here so callers need one import)."""
-    return dataclasses.replace(info, **changes)

@@ -276,6 +276,11 @@ class Consumer:
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
+    @property
+    def synced(self) -> bool:
+        """The registry was read and every registered worker bootstrapped once (readiness)."""
+        return self._synced.is_set()
+
     async def wait_synced(self, within: float | None = None) -> None:
         """Until the registry was read and every worker bootstrapped once."""
         async with asyncio.timeout(within):

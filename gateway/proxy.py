@@ -35,7 +35,10 @@ from gateway.registry import Registry
 from gateway.requests import ClientRequest
 from gateway.router import NoCandidates, Ticket
 
-__all__ = ["Proxy", "Usage", "parse_usage"]
+__all__ = ["REQUEST_ID", "Proxy", "Usage", "parse_usage"]
+
+#: the request id (client's x-request-id when well-formed, else generated), set by the server
+REQUEST_ID = web.RequestKey("request_id", str)
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +163,12 @@ class Proxy:
                 await asyncio.sleep(s.retry_backoff * 2 ** (attempt - 1))
             now = self.clock()
             exclude = self.registry.exclude(pool, now, tried)
+            t0 = time.perf_counter()
             try:
                 decision = pool.router.route(prep.keys, prep.prompt_tokens, now, session_key=session_key, exclude=exclude)
             except NoCandidates:
                 break
+            self.metrics.decision.labels(pool.name).observe(time.perf_counter() - t0)
             try:
                 return await self._attempt(request, creq, pool, prep, path, body, headers, decision, inject_usage)
             except _Retry as exc:
@@ -280,7 +285,7 @@ class Proxy:
         headers["x-kvroute-reason"] = decision.reason
         if decision.predicted_ttft_ms is not None:
             headers["x-kvroute-predicted-ttft-ms"] = f"{decision.predicted_ttft_ms:.1f}"
-        headers["x-request-id"] = request["request_id"]
+        headers["x-request-id"] = request[REQUEST_ID]
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
             headers["cache-control"] = "no-cache"
             return _SseResponse(status=resp.status, headers=headers)
@@ -343,7 +348,7 @@ class Proxy:
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST}
         headers["content-type"] = "application/json"
-        headers["x-request-id"] = request["request_id"]
+        headers["x-request-id"] = request[REQUEST_ID]
         if self.settings.upstream_api_key:
             headers["authorization"] = f"Bearer {self.settings.upstream_api_key}"
         return headers

@@ -193,13 +193,20 @@ class RedisBus(EventBus):
         except (RedisError, OSError) as exc:
             raise BusError(f"registry read failed: {exc}") from exc
         out = {}
+        lapsed = []
         for w, data in zip(ids, values, strict=True):
             if data is None:
+                lapsed.append(w)
                 continue
             try:
                 out[w] = decode_worker(data)
             except ValueError:
                 continue
+        if lapsed:  # keep the set bounded; a live agent re-adds itself every heartbeat
+            try:
+                await self._r.srem(self.workers_key, *lapsed)
+            except (RedisError, OSError) as exc:
+                raise BusError(f"registry prune failed: {exc}") from exc
         return out
 
     # -- load -------------------------------------------------------------------------------

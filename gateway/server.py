@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import hmac
 import logging
 import random
@@ -21,6 +23,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 import aiohttp
@@ -35,7 +38,7 @@ from gateway.index import ShadowIndex
 from gateway.limits import Admission, TokenBucket
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
-from gateway.proxy import Proxy, new_request_id
+from gateway.proxy import REQUEST_ID, Proxy, new_request_id
 from gateway.registry import Registry
 from gateway.requests import ClientRequest, Kind, parse_body
 from gateway.tokenization import Tokenizer
@@ -46,6 +49,7 @@ log = logging.getLogger("kvroute.gateway")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+POOL = web.RequestKey("pool", str)  # the pool a request was routed in (metrics labels)
 
 
 @dataclass
@@ -81,7 +85,7 @@ class Gateway:
         self.admission = Admission(cfg.limits.max_concurrency, cfg.limits.queue_size, cfg.limits.queue_timeout)
         self.consumer = Consumer(self.bus, self.index) if self.bus is not None else None
         self._clients = {
-            k.key: _Client(k, TokenBucket(k.requests_per_s, 2 * k.requests_per_s), TokenBucket(k.tokens_per_s, 2 * k.tokens_per_s))
+            k.key: _Client(k, TokenBucket(k.requests_per_s, max(1.0, 2 * k.requests_per_s)), TokenBucket(k.tokens_per_s, 2 * k.tokens_per_s))
             for k in cfg.auth.api_keys
         }
         self._tasks: list[asyncio.Task[None]] = []
@@ -248,13 +252,13 @@ class Gateway:
             if creq.model is None:
                 raise ApiError(400, "'model' is required (this gateway serves several models)", param="model", code="missing_field")
             raise ApiError(404, f"The model `{creq.model}` does not exist.", "NotFoundError", param="model", code="model_not_found")
-        request["pool"] = pool.name
+        request[POOL] = pool.name
         prep = await pool.prepare(creq)
         m = self.metrics
         m.tokenize.labels(pool.name, kind).observe(prep.tokenize_s + prep.keys_s)
         self.rate_limit(client, prep.prompt_tokens + (creq.max_tokens or 0))
         if self.config.log.log_prompts:
-            log.info("request %s pool=%s prompt=%r", request["request_id"], pool.name, creq.messages or creq.prompt_text)
+            log.info("request %s pool=%s prompt=%r", request[REQUEST_ID], pool.name, creq.messages or creq.prompt_text)
         priority = client.key.priority if client else 0
         try:
             await self.admission.acquire(priority)
@@ -332,6 +336,19 @@ class Gateway:
             }
         )
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        spec = resources.files("gateway").joinpath("openapi.yaml").read_bytes()
+        return web.Response(body=spec, content_type="application/yaml")
+
+    async def debug_index(self, request: web.Request) -> web.Response:
+        """Per-worker block count and key digest: what must equal the agents' mirrors."""
+        self.authorize_admin(request)
+        out = {}
+        for wid in sorted(set(self.index.workers()) | set(self.registry.workers)):
+            keys = self.index.worker_keys(wid)
+            out[wid] = {"blocks": len(keys), "digest": index_digest(keys)}
+        return web.json_response({"workers": out, "stats": dataclasses.asdict(self.index.stats)})
+
     async def workers(self, request: web.Request) -> web.Response:
         self.authorize_admin(request)
         now = self.clock()
@@ -360,6 +377,14 @@ class Gateway:
                 }
             )
         return web.json_response({"workers": out, "rejected_registrations": self.registry.rejected})
+
+
+def index_digest(keys: frozenset[int]) -> str:
+    """Order-independent digest of a key set (equal sets, equal digests)."""
+    h = hashlib.sha256()
+    for k in sorted(keys):
+        h.update(k.to_bytes(8, "little"))
+    return h.hexdigest()[:32]
 
 
 def _circuit_value(state: CircuitState) -> int:
@@ -399,6 +424,8 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_get("/metrics", gw.metrics_endpoint)
     app.router.add_post("/debug/route", gw.debug_route)
     app.router.add_get("/workers", gw.workers)
+    app.router.add_get("/debug/index", gw.debug_index)
+    app.router.add_get("/openapi.yaml", gw.openapi)
 
     async def on_startup(_: web.Application) -> None:
         await gw.start()
@@ -416,26 +443,26 @@ def _middleware(gw: Gateway) -> Any:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         rid = request.headers.get("x-request-id", "")
-        request["request_id"] = rid if _REQUEST_ID.match(rid) else new_request_id()
-        request["pool"] = ""
+        request[REQUEST_ID] = rid if _REQUEST_ID.match(rid) else new_request_id()
+        request[POOL] = ""
         try:
             return await handler(request)
         except ApiError as exc:
-            gw.metrics.errors.labels(request["pool"], str(exc.status), exc.code or "").inc()
-            headers = {"x-request-id": request["request_id"], **(exc.headers or {})}
+            gw.metrics.errors.labels(request[POOL], str(exc.status), exc.code or "").inc()
+            headers = {"x-request-id": request[REQUEST_ID], **(exc.headers or {})}
             return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status, "http_error")
             msg = exc.reason if exc.status != 413 else f"request body is larger than {gw.config.server.max_body_bytes} bytes"
-            gw.metrics.errors.labels(request["pool"], str(exc.status), code).inc()
-            return web.Response(status=exc.status, body=error_body(msg, "invalid_request_error", None, code), content_type="application/json", headers={"x-request-id": request["request_id"]})
+            gw.metrics.errors.labels(request[POOL], str(exc.status), code).inc()
+            return web.Response(status=exc.status, body=error_body(msg, "invalid_request_error", None, code), content_type="application/json", headers={"x-request-id": request[REQUEST_ID]})
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
             log.exception("internal error on %s %s", request.method, request.path)
-            gw.metrics.errors.labels(request["pool"], "500", "internal_error").inc()
+            gw.metrics.errors.labels(request[POOL], "500", "internal_error").inc()
             return web.Response(status=500, body=error_body("internal gateway error", "internal_error", None, "internal_error"), content_type="application/json")
 
     return middleware

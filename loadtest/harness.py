@@ -88,6 +88,8 @@ class RedisServer:
     port: int = 0
     password: str | None = None
     workdir: Path | None = None
+    #: serve TLS only (a private CA and a certificate for 127.0.0.1 are generated)
+    tls: bool = False
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -99,7 +101,14 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def ca_file(self) -> Path:
+        """The CA certificate clients must trust (TLS servers only)."""
+        assert self.workdir is not None
+        return self.workdir / "tls" / "ca.crt"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         if self.proc is not None and self.proc.poll() is None:
@@ -116,6 +125,16 @@ class RedisServer:
         ]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            tls = self._certificates()
+            args[args.index("--port") + 1] = "0"
+            args += [
+                "--tls-port", str(self.port),
+                "--tls-cert-file", str(tls / "server.crt"),
+                "--tls-key-file", str(tls / "server.key"),
+                "--tls-ca-cert-file", str(tls / "ca.crt"),
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
         assert self.workdir is not None
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
@@ -126,6 +145,26 @@ class RedisServer:
             self.kill()
             raise
         return self
+
+    def _certificates(self) -> Path:
+        """A throw-away CA and a server certificate for 127.0.0.1 (openssl CLI)."""
+        assert self.workdir is not None
+        tls = self.workdir / "tls"
+        if (tls / "server.crt").exists():
+            return tls
+        tls.mkdir(parents=True, exist_ok=True)
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            raise HarnessError("openssl is needed to make test certificates (Debian package openssl)")
+        (tls / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        steps = [
+            ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=kvroute-test-ca"],
+            ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"],
+            ["x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "ext.cnf"],
+        ]
+        for step in steps:
+            subprocess.run([openssl, *step], cwd=tls, check=True, capture_output=True)
+        return tls
 
     def kill(self) -> None:
         """SIGKILL: the fault-injection way to lose Redis (nothing is saved)."""

@@ -58,6 +58,7 @@ from loadtest.workloads import WorkItem, make_workload, tokenize_segments, write
 __all__ = [
     "TraceInfo",
     "compare_reference",
+    "for_comparison",
     "items_arrivals",
     "scan_trace",
     "trace_arrivals",
@@ -228,14 +229,18 @@ def compare_reference(
     mode: str = "chat",
     slo_ttft_ms: float = 1000.0,
     policy: str = "ttft",
+    loads: Iterable[float] = (0.3, 0.6, 0.8, 0.95),
+    duration: float | None = None,
+    capacity_rps: float = 0.0,
     ttft_factor: float = 3.0,
-    rate: float | None = None,
 ) -> dict[str, Any]:
-    """Pooled-cache bound and capacity for a ``loadtest.compare`` configuration.
+    """Capacity and pooled-cache bound for a live comparison of this workload and cluster.
 
-    The bound is computed on the stream at ``rate`` (default: 60% of the capacity, a
-    mid-sweep load; the bound barely depends on it). Returns ``bound_hit_rate``,
-    ``capacity_rps`` and the details.
+    Streams are what the comparison sends: the workload tokenized like the driver's ``mode``,
+    retimed to each rate and cut at ``duration`` seconds. ``capacity_rps``: given (0: run
+    ``estimate_capacity`` under ``policy``). The bound is computed on the stream of every
+    load level; ``bound_hit_rate`` is the highest (the strictest reference for Q1) and
+    ``bound_by_load`` has them all, beside ``policy_hit_rate_by_load`` for a preview.
     """
     arrivals = workload_arrivals(workload, params, seed=seed, mode=mode)
     cfg = ClusterConfig(
@@ -248,20 +253,47 @@ def compare_reference(
         seed=seed,
         slo_ttft_ms=slo_ttft_ms,
     )
-    cap = estimate_capacity(
-        lambda r: retime(arrivals, r), cfg, reference=arrivals, ttft_factor=ttft_factor
-    )
-    at = rate or 0.6 * cap.rate
-    stream = retime(arrivals, at) if at > 0 else arrivals
-    bound = pooled_bound(stream, cfg)
-    routed = simulate(stream, cfg)
+    cap: CapacityResult | None = None
+    if not capacity_rps:
+        cap = estimate_capacity(
+            partial(retime, arrivals, duration=duration),
+            cfg,
+            reference=arrivals,
+            ttft_factor=ttft_factor,
+        )
+        capacity_rps = cap.rate
+    bounds: dict[str, float] = {}
+    routed: dict[str, float] = {}
+    for load in loads:
+        stream = retime(arrivals, load * capacity_rps, duration)
+        bounds[str(load)] = pooled_bound(stream, cfg).hit_rate
+        routed[str(load)] = simulate(stream, cfg).hit_rate
     return {
-        "bound_hit_rate": bound.hit_rate,
-        "capacity_rps": round(cap.rate, 3),
-        "policy_hit_rate": routed.hit_rate,
-        "bound_rate": round(at, 3),
-        "capacity": cap.to_json(),
+        "capacity_rps": round(capacity_rps, 3),
+        "bound_hit_rate": max(bounds.values(), default=None),
+        "bound_by_load": bounds,
+        "policy_hit_rate_by_load": routed,
+        "capacity": None if cap is None else cap.to_json(),
     }
+
+
+def for_comparison(cfg: Any) -> dict[str, Any]:
+    """``compare_reference`` for a ``loadtest.compare.CompareConfig``."""
+    return compare_reference(
+        cfg.workload,
+        cfg.params,
+        workers=cfg.workers,
+        kv_blocks=cfg.kv_blocks,
+        block_size=cfg.block_size,
+        timing=cfg.timing,
+        speedup=cfg.speedup,
+        seed=cfg.seed,
+        mode=cfg.mode,
+        slo_ttft_ms=cfg.slo_ttft_ms,
+        loads=cfg.loads,
+        duration=cfg.duration,
+        capacity_rps=cfg.capacity_rps,
+    )
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -358,7 +390,7 @@ class _Stream:
         if self._list is not None:
             return retime(self._list, rate) if rate else list(self._list)
         speed = a.speed if not rate else rate / self.info().rate
-        return trace_arrivals(self.trace, speed=speed, limit=a.limit, block_tokens=a.block_size)
+        return trace_arrivals(self.trace, speed=speed, limit=a.limit)
 
     def reference(self) -> Iterable[Arrival]:
         return self.at(None)
@@ -465,12 +497,12 @@ def run(args: argparse.Namespace) -> int:
         cap = _capacity(stream, first, args, quiet)
         report["capacity_rps"] = round(cap.rate, 3)
         report["capacity"] = cap.to_json()
-    text = json.dumps(report, indent=None if args.json else 2, default=str)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
     if args.json:
-        print(text)
+        print(json.dumps(report, default=str))
         return 0
+    print(json.dumps(_slim(report), indent=2, default=str))  # per-worker detail: --out/--json
     print(format_table(rows))
     if args.capacity:
         print(f"capacity: {report['capacity_rps']} req/s  (p99 TTFT <= {cap.limit_ms} ms = "
@@ -478,6 +510,15 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         print(f"JSON written to {args.out}")
     return 0
+
+
+def _slim(obj: Any) -> Any:
+    """``obj`` without its per-worker tables (hundreds of lines for a large cluster)."""
+    if isinstance(obj, dict):
+        return {k: _slim(v) for k, v in obj.items() if k != "per_worker"}
+    if isinstance(obj, list):
+        return [_slim(v) for v in obj]
+    return obj
 
 
 def _capacity(

@@ -55,6 +55,7 @@ class StackConfig:
     agent_args: list[str] = field(default_factory=list)
     gateway_settings: dict[str, Any] = field(default_factory=dict)
     redis_password: str | None = None
+    redis_tls: bool = False
     log_dir: Path | None = None
     start_timeout: float = 60.0
 
@@ -113,6 +114,12 @@ class Stack:
         assert self.redis is not None
         return self.redis.url
 
+    def agent_redis_url(self) -> str:
+        """The agents' Redis URL (redis-py reads the CA file from the URL's query)."""
+        if self.config.redis_tls and self.redis is not None:
+            return f"{self.redis_url}?ssl_ca_certs={self.redis.ca_file}"
+        return self.redis_url
+
     def tokenizer_path(self) -> str:
         if self.config.tokenizer:
             return self.config.tokenizer
@@ -121,7 +128,7 @@ class Stack:
         return str(bundled_test_tokenizer())
 
     def _start_redis(self) -> None:
-        self.redis = RedisServer(password=self.config.redis_password, workdir=self.log_dir / "redis")
+        self.redis = RedisServer(password=self.config.redis_password, workdir=self.log_dir / "redis", tls=self.config.redis_tls)
         self.redis.workdir.mkdir(exist_ok=True)  # type: ignore[union-attr]
         self.redis.start()
 
@@ -156,7 +163,7 @@ class Stack:
         c = self.config
         args = [
             "agent", "--engine", c.flavor, "--engine-url", self.worker_urls[i],
-            "--redis", self.redis_url, "--worker-id", self.worker_id(i), "--model", c.model,
+            "--redis", self.agent_redis_url(), "--worker-id", self.worker_id(i), "--model", c.model,
             "--hash-seed", c.hash_seed, "--block-size", str(c.block_size),
             "--log-level", "INFO", *c.agent_args,
         ]  # fmt: skip
@@ -171,7 +178,7 @@ class Stack:
         c = self.config
         cfg: dict[str, Any] = {
             "server": {"host": "127.0.0.1", "port": port, "workers": c.gateway_processes},
-            "redis": {"url": self.redis_url},
+            "redis": {"url": self.redis_url, "tls_ca_file": str(self.redis.ca_file) if c.redis_tls and self.redis else ""},
             "index": {"hash_seed": c.hash_seed},
             "auth": {"admin_key": ADMIN_KEY},
             "pools": [

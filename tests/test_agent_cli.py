@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import urllib.request
 from pathlib import Path
@@ -44,7 +45,7 @@ def test_settings_precedence(tmp_path: Path) -> None:
 def test_bad_settings_are_named() -> None:
     with pytest.raises(ConfigError, match="worker_id"):
         build_config(parse(["--model", "m"]), {})
-    with pytest.raises(ConfigError, match="engine.kind"):
+    with pytest.raises(ConfigError, match=r"engine\.kind"):
         build_config(parse(["--model", "m", "--worker-id", "w", "--engine", "trt"]), {})
     with pytest.raises(ConfigError, match="nope"):
         build_config(parse(["--model", "m", "--worker-id", "w", "--set", "nope=1"]), {})
@@ -69,7 +70,8 @@ async def test_agent_process_runs_and_deregisters_on_sigterm(
             await wait_until(lambda: "cli1" in consumer.workers(), 20, "registration")
             await drive(engine, 5)
             await wait_until(lambda: len(consumer.index.worker_keys("cli1")) > 0, 10, "keys")
-            body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read()
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            body = await asyncio.to_thread(lambda: urllib.request.urlopen(url).read())
             assert b"kvroute_agent_frames_received_total" in body
             proc.signal(signal.SIGTERM)
             await wait_until(lambda: not proc.alive(), 10, "exit")

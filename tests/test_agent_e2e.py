@@ -139,8 +139,8 @@ async def test_bad_frames_are_counted_and_skipped(redis_server: RedisServer) -> 
             await drive(engine, 3)
             await engine.send_raw([b"", b"short"])  # wrong frame count
             await engine.send_raw([b"", b"123", b"payload"])  # bad seq frame
-            huge = [{"type": "BlockStored", "block_hashes": [1], "token_ids": "x"}] * 3
-            await engine.publish(huge + [{"type": "Nope"}, 7])  # bad events, batch kept
+            wrong = [{"type": "BlockStored", "block_hashes": [1], "token_ids": "x"}] * 3
+            await engine.publish([*wrong, {"type": "Nope"}, 7])  # bad events, batch kept
             await drive(engine, 3)
             expected = engine.expected_keys(KEYER)
             await wait_until(lambda: agent.mirror_keys() == expected, 10, "still running")
@@ -252,5 +252,25 @@ async def test_graceful_stop_deregisters(redis_server: RedisServer) -> None:
             # deregistered at once (well before the 1 s TTL and the consumer's grace)
             await wait_until(lambda: "w1" not in consumer.workers(), 5, "deregistered")
             assert "w1" not in consumer.index
+    finally:
+        await engine.close()
+
+
+async def test_restarted_engine_that_outran_us_is_detected(redis_server: RedisServer) -> None:
+    """The new engine's seq passed the one we expected before we saw it: a plain gap by
+    numbers, but the replayed batch at our last seq is not the one we applied."""
+    engine = FakeEngine("vllm-0.33")
+    try:
+        async with running_agent(agent_config(engine), redis_server.url) as agent:
+            await drive(engine, 3)
+            await wait_until(lambda: agent.mirror_keys() == engine.expected_keys(KEYER))
+            seen = engine.seq
+            engine.restart()
+            for _ in range(seen + 3):  # the new engine publishes past `seen`, all lost
+                await engine.publish(engine.store_events(engine.random_tokens([])), send=False)
+            await drive(engine, 1)
+            expected = engine.expected_keys(KEYER)
+            await wait_until(lambda: agent.mirror_keys() == expected, 10, "new history")
+            assert agent.metrics.value("clears_total", reason="restart") == 1
     finally:
         await engine.close()

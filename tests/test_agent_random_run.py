@@ -42,7 +42,7 @@ async def test_random_run_index_equals_mirrors(redis_server: RedisServer) -> Non
             agents.append(await s.enter_async_context(running_agent(cfg, url)))
             agent_stacks.append(s)
         try:
-            for step in range(24):
+            for step in range(60):
                 i = rng.randrange(len(engines))
                 action = rng.random()
                 if action < 0.08:
@@ -53,7 +53,7 @@ async def test_random_run_index_equals_mirrors(redis_server: RedisServer) -> Non
                     agents[i] = await agent_stacks[i].enter_async_context(
                         running_agent(configs[i], url)
                     )
-                elif step == 12:  # Redis dies and comes back empty
+                elif step in (20, 45):  # Redis dies and comes back empty
                     redis_server.kill()
                     for e in engines:
                         await drive(e, 3)

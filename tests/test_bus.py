@@ -143,3 +143,23 @@ async def test_memory_bus_outage() -> None:
         await bus.workers()
     bus.set_down(False)
     assert await bus.workers() == {}
+
+
+def test_protocol_document_vectors() -> None:
+    """The test vector and the example entry printed in docs/protocol.md."""
+    from pathlib import Path
+
+    from gateway.keys import BlockKeyer
+
+    doc = Path(__file__).parent.parent.joinpath("docs", "protocol.md").read_text()
+    keyer = BlockKeyer("kvroute", 16)
+    k0, k1 = keyer.keys(list(range(1, 33)))
+    assert f"0x{keyer.root_state():016x}" in doc
+    assert f"0x{k0:016x}" in doc and f"0x{k1:016x}" in doc
+    assert keyer.keys(list(range(17, 33)), parent=k0) == [k1]
+    example = Entry(
+        1, 1796000000000000, 1, 1.5, 1.6, [(0, 10, 12)],
+        [Stored(None, [1, 2**64 - 1]), Removed([7]), Cleared()],
+    )  # fmt: skip
+    line = next(ln for ln in doc.splitlines() if ln.startswith("`97`"))
+    assert bytes.fromhex(line.replace("`", "").replace(" ", "")) == encode_entry(example)

@@ -192,6 +192,24 @@ def test_capacity_is_the_knee_of_p99_ttft(chat: list[Arrival]) -> None:
     assert rr.rate < cap.rate
 
 
+def test_reference_numbers_for_the_live_comparison() -> None:
+    """What ``kvroute loadtest compare`` gets: capacity and the bound at every load level."""
+    from loadtest.compare import CompareConfig
+    from loadtest.simulate import for_comparison
+
+    small = {**CHAT, "conversations": 30}
+    cfg = CompareConfig(workload="chat", params=small, workers=2, kv_blocks=1024, timing="seed-70b",
+                        duration=30.0, loads=[0.3, 0.9], mode="completion_ids")  # fmt: skip
+    ref = for_comparison(cfg)
+    assert ref["capacity_rps"] > 0 and ref["capacity"]["probes"]
+    assert set(ref["bound_by_load"]) == {"0.3", "0.9"}
+    assert ref["bound_hit_rate"] == max(ref["bound_by_load"].values())
+    for load, bound in ref["bound_by_load"].items():
+        assert bound >= ref["policy_hit_rate_by_load"][load]
+    given = for_comparison(CompareConfig(**{**vars(cfg), "capacity_rps": 5.0}))
+    assert given["capacity_rps"] == 5.0 and given["capacity"] is None
+
+
 # -- command line and benchmark --------------------------------------------------------------------
 
 

@@ -139,6 +139,9 @@ def test_health_ready_metrics_and_admin_endpoints(stack: Stack) -> None:
     assert status == 200
     for name in (b"kvroute_requests_total", b"kvroute_ttft_seconds_bucket", b"kvroute_index_blocks", b"kvroute_redis_connected 1.0"):
         assert name in body
+    # every request so far was routed, and each decision was timed
+    count = next(line for line in body.decode().splitlines() if line.startswith("kvroute_routing_decision_seconds_count"))
+    assert float(count.rsplit(" ", 1)[1]) > 0
     assert get(url + "/workers")[0] == 401
     assert get(url + "/workers", "wrong")[0] == 401
     status, body = get(url + "/workers", ADMIN_KEY)

@@ -67,9 +67,22 @@ class EventPipeline:
         out = _Events()
         wave: list[BlockStored] = []
         wave_hashes: set[object] = set()
+        gone: BlockRemoved | None = None  # consecutive removes, applied in one call
         stored = removed = 0
         for ev in batch.events:
-            if type(ev) is BlockStored:
+            if isinstance(ev, BlockRemoved):
+                removed += 1
+                self._store_wave(canon, wave, out)
+                wave_hashes.clear()
+                if gone is not None and (gone.medium, gone.group_idx) == (ev.medium, ev.group_idx):
+                    gone.hashes.extend(ev.hashes)
+                else:
+                    self._remove(canon, gone, out)
+                    gone = BlockRemoved(list(ev.hashes), ev.medium, ev.group_idx)
+                continue
+            self._remove(canon, gone, out)
+            gone = None
+            if isinstance(ev, BlockStored):
                 stored += 1
                 if ev.parent is not None and ev.parent in wave_hashes:
                     self._store_wave(canon, wave, out)  # it depends on the wave: flush first
@@ -79,21 +92,22 @@ class EventPipeline:
                 continue
             self._store_wave(canon, wave, out)
             wave_hashes.clear()
-            if type(ev) is BlockRemoved:
-                removed += 1
-                gone = canon.removed(ev)
-                if gone:
-                    out.extend(self.mirror.drop(gone))
-            else:
-                m.events.labels("cleared").inc()
-                m.clears.labels("engine").inc()
-                out.extend(self._clear_rank(rank))
+            m.events.labels("cleared").inc()
+            m.clears.labels("engine").inc()
+            out.extend(self._clear_rank(rank))
+        self._remove(canon, gone, out)
         self._store_wave(canon, wave, out)
         self._stored.inc(stored)
         self._removed.inc(removed)
         self._flush_counters(canon)
         self._emit(out.items, rank, seq, batch.ts)
         return True
+
+    def _remove(self, canon: RankCanonicaliser, ev: BlockRemoved | None, out: _Events) -> None:
+        if ev is not None:
+            keys = canon.removed(ev)
+            if keys:
+                out.extend(self.mirror.drop(keys))
 
     def _store_wave(self, canon: RankCanonicaliser, wave: list[BlockStored], out: _Events) -> None:
         """Stores with no dependency among them: keyed together, applied in order."""

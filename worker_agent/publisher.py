@@ -167,9 +167,10 @@ class Publisher:
             st.unsent = []
             st.unsent_size = 0
             self.metrics.buffer_depth.set(st.pending_size)
-            self.started.set()
         if snap is not None:
             await self._write_snapshot(*snap)
+        if self.acked_seq:
+            self.started.set()  # the epoch's first entry and snapshot are written
         if not st.pending and not st.unsent:
             self.idle.set()
 

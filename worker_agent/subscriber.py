@@ -42,6 +42,7 @@ __all__ = ["BatchHandler", "RankSubscriber", "SeqTracker", "Verdict", "replay"]
 log = logging.getLogger(__name__)
 
 END_SEQ = b"\xff" * 8
+DRAIN_MAX = 64  # live messages handled between two yields to the event loop
 
 
 class BatchHandler(Protocol):
@@ -152,37 +153,50 @@ class RankSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.source.endpoint)
-        watcher = asyncio.create_task(self._watch_connection(monitor))
+        # Plain (non-asyncio) views of the same sockets: draining what is already queued
+        # with NOBLOCK costs a C call, not an asyncio future per message.
+        raw_sub: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        raw_monitor: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
+        watcher = asyncio.create_task(self._watch_connection(monitor, raw_monitor))
         try:
             async with self._lock:
                 await self._initial_sync()
             self.connected.set()
             while True:
-                frames = await sub.recv_multipart()
+                queued = [await sub.recv_multipart()]
+                while len(queued) < DRAIN_MAX:
+                    try:
+                        queued.append(raw_sub.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
                 async with self._lock:
-                    if await self._drain_monitor(monitor):  # before trusting the batch
+                    if self._drain_monitor(raw_monitor):  # before trusting the batches
                         await self._check_after_reconnect()
-                    await self._on_frames(frames)
+                    for frames in queued:
+                        await self._on_frames(frames)
+                # A ready socket completes ``recv`` without suspending: yield explicitly, or
+                # a backlog would starve the publisher and the heartbeat.
+                await asyncio.sleep(0)
         finally:
             watcher.cancel()
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket, raw: zmq.Socket[bytes]) -> None:
         """Check a reconnection even if the publisher sends nothing afterwards."""
         while True:
             await monitor.poll()
             async with self._lock:
-                if await self._drain_monitor(monitor):
+                if self._drain_monitor(raw):
                     await self._check_after_reconnect()
 
-    async def _drain_monitor(self, monitor: zmq.asyncio.Socket) -> bool:
+    def _drain_monitor(self, raw: zmq.Socket[bytes]) -> bool:
         """Read pending socket events; True if the publisher came back after going away."""
         back = False
         while True:
             try:
-                frames = await monitor.recv_multipart(flags=zmq.NOBLOCK)
+                frames = raw.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return back
             event = parse_monitor_message(frames)["event"]

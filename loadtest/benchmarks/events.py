@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import struct
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,13 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass
 class SyntheticEngine:
-    """A vLLM-like cache: chains of blocks, FIFO eviction, one BlockRemoved per hash."""
+    """A vLLM-like cache: requests store runs of blocks (continuing a recent one or from
+    the root); when full, the least recently stored run is evicted tail first (vLLM frees
+    a request's blocks in reverse order), one BlockRemoved per hash."""
 
     block_size: int
     capacity: int
     rng: random.Random
-    held: dict[int, None] = field(default_factory=dict)  # insertion-ordered (FIFO)
-    tips: list[int] = field(default_factory=list)
+    held: set[int] = field(default_factory=set)
+    runs: deque[list[int]] = field(default_factory=deque)  # oldest first
     stored: int = 0
     removed: int = 0
 
@@ -82,16 +86,13 @@ class SyntheticEngine:
     def _store(self, n: int) -> dict[str, Any]:
         rng = self.rng
         parent = None
-        live = [t for t in self.tips[-64:] if t in self.held]
-        if live and rng.random() < 0.7:
-            parent = rng.choice(live)
+        recent = [r[-1] for r in list(self.runs)[-64:] if r]
+        if recent and rng.random() < 0.7:
+            parent = rng.choice(recent)
         hashes = [rng.getrandbits(64) for _ in range(n)]
         tokens = [rng.randrange(1, 100_000) for _ in range(n * self.block_size)]
-        for h in hashes:
-            self.held[h] = None
-        self.tips.append(hashes[-1])
-        if len(self.tips) > 256:
-            del self.tips[:128]
+        self.held.update(hashes)
+        self.runs.append(hashes)
         self.stored += n
         return {
             "type": "BlockStored",
@@ -108,10 +109,15 @@ class SyntheticEngine:
 
     def _evict(self, n: int) -> list[dict[str, Any]]:
         out = []
-        while len(self.held) + n > self.capacity and self.held:
-            h = next(iter(self.held))
-            del self.held[h]
-            out.append({"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0})
+        while len(self.held) + n > self.capacity and self.runs:
+            run = self.runs[0]
+            h = run.pop()
+            if not run:
+                self.runs.popleft()
+            self.held.discard(h)
+            out.append(
+                {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0}
+            )
             self.removed += 1
         return out
 
@@ -121,8 +127,9 @@ class Publisher:
 
     def __init__(self, ctx: zmq.asyncio.Context, pub_port: int, replay_port: int) -> None:
         self.pub = ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 0)  # never drop: the agent's pace is measured
         self.pub.bind(f"tcp://127.0.0.1:{pub_port}")
+        self._raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.pub.underlying)
         self.router = ctx.socket(zmq.ROUTER)
         self.router.bind(f"tcp://127.0.0.1:{replay_port}")
         self.buffer: dict[int, bytes] = {}
@@ -130,10 +137,13 @@ class Publisher:
         self._task = asyncio.create_task(self._serve())
 
     async def send(self, payload: bytes) -> int:
+        """Queue one batch (a plain send: with no high-water mark it never blocks)."""
         seq = self.seq
         self.seq += 1
         self.buffer[seq] = payload
-        await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        self._raw.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        if seq % 64 == 0:
+            await asyncio.sleep(0)  # let the consumer run between bursts
         return seq
 
     async def _serve(self) -> None:
@@ -143,7 +153,9 @@ class Publisher:
                 continue
             ident, start = frames[0], int.from_bytes(frames[2], "big")
             for seq in range(start, self.seq):
-                await self.router.send_multipart([ident, b"", b"", seq.to_bytes(8, "big"), self.buffer[seq]])
+                await self.router.send_multipart(
+                    [ident, b"", b"", seq.to_bytes(8, "big"), self.buffer[seq]]
+                )
             await self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
 
     def close(self) -> None:
@@ -211,38 +223,46 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     consumer = Consumer(bus, config=ConsumerConfig(block_ms=20, poll_interval=0.1), on_entry=tap)
     engine = SyntheticEngine(args.block_size, args.capacity, random.Random(args.seed))
     enc = msgspec.msgpack.Encoder()
+    # the whole workload is encoded up front: nothing but sends happen while measuring
+    per_batch = args.events_per_batch * args.blocks_per_event
+    warmup = [enc.encode([0.0, engine.batch(1, 1), 0]) for _ in range(200)]
+    payloads = [
+        enc.encode([0.0, engine.batch(args.events_per_batch, args.blocks_per_event), 0])
+        for _ in range(max(1, args.blocks // per_batch))
+    ]
+    interval = per_batch / args.rate
+    paced = [
+        enc.encode([0.0, engine.batch(args.events_per_batch, args.blocks_per_event), 0])
+        for _ in range(max(1, int(args.duration / interval)))
+    ]
     try:
         agent.start()
         await consumer.start()
         await _wait(lambda: WORKER in consumer.workers() and WORKER in consumer.applier.cursors, 30)
         # warm-up: a first batch proves the whole path (and the SUB has joined)
-        while tap.last_seq < 0:
-            await pub.send(enc.encode([time.time(), engine.batch(1, 1), 0]))
-            await asyncio.sleep(0.05)
+        sent = 0
+        while tap.last_seq < sent - 1 or sent == 0:  # every warm-up batch sent is applied
+            if sent < len(warmup):
+                await pub.send(stamp(warmup[sent]))
+                sent += 1
+            await asyncio.sleep(0.02)
+        for p in warmup[sent:]:
+            await pub.send(stamp(p))
         # -- phase 1: throughput ------------------------------------------------------------
-        per_batch = args.events_per_batch * args.blocks_per_event
-        payloads = [
-            enc.encode([0.0, engine.batch(args.events_per_batch, args.blocks_per_event), 0])
-            for _ in range(max(1, args.blocks // per_batch))
-        ]
         blocks_before = tap.blocks
+        cpu0 = _cpu(agent, redis_srv)
         t0 = time.perf_counter()
         for p in payloads:
             seq = await pub.send(stamp(p))
         tap.target_seq = seq
         await asyncio.wait_for(tap.done.wait(), 600)
         elapsed = time.perf_counter() - t0
+        cpu = {k: round(v - cpu0[k], 2) for k, v in _cpu(agent, redis_srv).items()}
         e2e_blocks = tap.blocks - blocks_before
         stream_bytes, stream_blocks, payload_bytes = await _stream_size(bus, redis_srv.url)
         # -- phase 2: lag at a fixed offered rate ---------------------------------------------
         tap.done.clear()
         tap.recording = True
-        interval = per_batch / args.rate
-        n = max(1, int(args.duration / interval))
-        paced = [
-            enc.encode([0.0, engine.batch(args.events_per_batch, args.blocks_per_event), 0])
-            for _ in range(n)
-        ]
         start = time.perf_counter()
         for i, p in enumerate(paced):
             delay = start + i * interval - time.perf_counter()
@@ -275,6 +295,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "e2e_blocks_per_s": round(rate),
         "e2e_seconds": round(elapsed, 3),
         "e2e_block_events": e2e_blocks,
+        "e2e_cpu_seconds": cpu,
         "lag_rate_blocks_per_s": args.rate,
         "lag_entries": len(tap.lags),
         "lag_p50_ms": round(lag50, 2),
@@ -300,12 +321,12 @@ async def _stream_size(bus: RedisBus, url: str) -> tuple[int, int, int]:
         blocks = payload = 0
         last = "-"
         while True:
-            items = await r.xrange(key, min=last, count=5000)
+            items: Any = await r.xrange(key, min=last, count=5000)
             if last != "-":
                 items = items[1:]
             if not items:
                 break
-            for sid, fields in items:
+            for _sid, fields in items:
                 data = fields[b"e"]
                 payload += len(data)
                 for ev in msgspec.msgpack.decode(data, type=Entry).events:
@@ -315,6 +336,25 @@ async def _stream_size(bus: RedisBus, url: str) -> tuple[int, int, int]:
         return memory, blocks, payload
     finally:
         await r.aclose()
+
+
+def _cpu(agent: ChildProcess, redis_srv: RedisServer) -> dict[str, float]:
+    """CPU seconds used so far by the agent, redis-server and this process (consumer and
+    engine): where the pipeline's time goes."""
+    own = os.times()
+    return {
+        "agent": _proc_cpu(agent.proc.pid if agent.proc else 0),
+        "redis": _proc_cpu(redis_srv.proc.pid if redis_srv.proc else 0),
+        "engine_and_consumer": own.user + own.system,
+    }
+
+
+def _proc_cpu(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _wait(cond: Any, within: float) -> None:
