@@ -288,6 +288,8 @@ class PoolSettings:
     cost: CostParams = field(default_factory=CostParams)
     #: strip trailing whitespace and normalise newlines in chat messages (and forward those)
     normalize_prompts: bool = False
+    #: token ids kept by the incremental tokenization cache (about 20 bytes each)
+    tokenizer_cache_tokens: int = 4_000_000
     static_workers: list[StaticWorker] = field(default_factory=list)
 
 

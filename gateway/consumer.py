@@ -202,7 +202,7 @@ def _id_after(a: str, b: str) -> bool:
 
 @dataclass
 class ConsumerConfig:
-    read_count: int = 2000  # entries per stream per XREAD
+    read_count: int = 500  # entries per stream per XREAD (bounds one apply step)
     block_ms: int = 100  # XREAD BLOCK
     poll_interval: float = 0.2  # registry + load reports
     snapshot_retry: float = 0.5  # a worker waiting for a covering snapshot re-reads it
@@ -335,11 +335,13 @@ class Consumer:
             return False
         reads = await self.bus.read(positions, self.config.read_count, self.config.block_ms)
         self.stats.reads += 1
-        now = time.time()
         hook = self._on_entry
-        for r in reads:
+        for i, r in enumerate(reads):
+            if i:
+                await asyncio.sleep(0)  # applying is synchronous: let requests run between
             if r.worker not in self._infos:
                 continue
+            now = time.time()
             for sid, entry in r.entries:
                 result = self.applier.apply(r.worker, sid, entry)
                 if result is Applied.APPLIED and entry is not None:

@@ -483,27 +483,44 @@ class ShadowIndex:
     def _isolate(self, node: _Node, off: int, end: int) -> _Node:
         """Split so that ``node.keys[off:end]`` is a node of its own; return that node."""
         if end < len(node.keys):
-            self._split(node, end)
+            node, _ = self._split(node, end)
         if off > 0:
-            node = self._split(node, off)
+            _, node = self._split(node, off)
         return node
 
-    def _split(self, node: _Node, off: int) -> _Node:
-        """Split ``node`` before ``node.keys[off]``; the tail becomes its only child."""
-        head, tail = node.keys[:off], node.keys[off:]
-        child = _Node(tail, node.mask, node.spec, node)
-        child.children = node.children
-        for c in child.children.values():
-            c.parent = child
-        node.keys = head
-        node.children = {tail[0]: child}
-        self._node.update(zip(tail, repeat(child)))
-        m = node.mask
+    def _split(self, node: _Node, off: int) -> tuple[_Node, _Node]:
+        """Split ``node`` before ``node.keys[off]``; returns (head, tail), tail the head's child.
+
+        The shorter part becomes the new node, so only its keys are re-mapped: removals at
+        either end of a long run cost little.
+        """
+        keys = node.keys
+        parent = node.parent
+        if 2 * off < len(keys) and parent is not None:
+            head = keys[:off]  # copy the short part only; ``del`` moves the rest in place
+            del keys[:off]
+            new = _Node(head, node.mask, node.spec, parent)
+            parent.children[head[0]] = new  # same first key: replaces ``node``
+            new.children = {keys[0]: node}
+            node.parent = new
+            self._node.update(zip(head, repeat(new)))
+            first, second = new, node
+        else:
+            tail = keys[off:]
+            del keys[off:]
+            new = _Node(tail, node.mask, node.spec, node)
+            new.children = node.children
+            for c in new.children.values():
+                c.parent = new
+            node.children = {tail[0]: new}
+            self._node.update(zip(tail, repeat(new)))
+            first, second = node, new
+        m = new.mask
         while m:
             low = m & -m
-            self._nodes[low.bit_length() - 1].add(child)
+            self._nodes[low.bit_length() - 1].add(new)
             m ^= low
-        return child
+        return first, second
 
     def _settle(self, node: _Node) -> None:
         """After ``node`` lost a bit: prune it if nobody needs it, else merge neighbours."""

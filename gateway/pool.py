@@ -49,6 +49,7 @@ class Pool:
             settings.tokenizer,
             settings.chat_template or None,
             normalize=settings.normalize_prompts,
+            cache_tokens=settings.tokenizer_cache_tokens,
         )
         self.keyer = BlockKeyer(hash_seed, settings.block_size)
         policy = make_policy(settings.policy, **settings.policy_params)

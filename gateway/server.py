@@ -122,7 +122,7 @@ class Gateway:
             p.tokenizer.close()
 
     def ready(self) -> tuple[bool, str]:
-        if self.consumer is not None and not self.consumer._synced.is_set():
+        if self.consumer is not None and not self.consumer.synced:
             return False, "index not bootstrapped yet"
         now = self.clock()
         if not any(self.registry.healthy(w, now) for w in self.registry.workers):

@@ -54,6 +54,8 @@ class StackConfig:
     sim_args: list[str] = field(default_factory=list)
     agent_args: list[str] = field(default_factory=list)
     gateway_settings: dict[str, Any] = field(default_factory=dict)
+    #: extra settings of the gateway's pool (e.g. tokenizer_cache_tokens)
+    pool_settings: dict[str, Any] = field(default_factory=dict)
     redis_password: str | None = None
     redis_tls: bool = False
     log_dir: Path | None = None
@@ -190,6 +192,7 @@ class Stack:
                     "max_model_len": c.max_model_len,
                     "policy": c.policy,
                     "policy_params": c.policy_params,
+                    **c.pool_settings,
                 }
             ],
         }

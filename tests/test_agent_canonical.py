@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from gateway.bus import Cleared, Removed, Stored
 from gateway.keys import BlockKeyer
-from worker_agent.batchkeys import keys_many
 from worker_agent.canonical import RankCanonicaliser
 from worker_agent.engines.decode import BlockRemoved, BlockStored
 from worker_agent.mirror import WorkerMirror, build_chains
@@ -234,7 +233,7 @@ def test_mirror_counts_ranks_and_builds_parent_first_chains() -> None:
 )
 def test_keys_many_equals_the_keyer(bs: int, chains: list) -> None:
     keyer = BlockKeyer("test-seed", bs)
-    assert keys_many(keyer, chains) == [keyer.keys(t, p) for t, p in chains]
+    assert keyer.keys_many(chains) == [keyer.keys(t, p) for t, p in chains]
 
 
 def test_a_wave_of_many_stores_is_keyed_at_once() -> None:

@@ -117,7 +117,8 @@ class Agent:
             await stop.wait()
             await self._shutdown(tasks)
         finally:
-            self._stopping = self.publisher.stopping = True
+            self._stopping = True
+            self.publisher.close()
             for t in tasks:
                 t.cancel()
             if tasks:  # bounded: a client library may swallow a cancellation

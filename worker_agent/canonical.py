@@ -29,7 +29,6 @@ from itertools import repeat
 from typing import Final, NamedTuple
 
 from gateway.keys import BlockKeyer, InvalidTokens
-from worker_agent.batchkeys import keys_many
 from worker_agent.engines.decode import BlockRemoved, BlockStored, EngineHash
 
 __all__ = ["Chain", "RankCanonicaliser"]
@@ -113,12 +112,14 @@ class RankCanonicaliser:
             return []
         out: list[int] = []
         count = self.count
-        for h in ev.hashes:
+        # deepest first (an event lists a node's blocks root to leaf): the index then pops
+        # keys off the end of its runs instead of splitting them key by key
+        for h in reversed(ev.hashes):
             block = self.blocks.pop(h, None)
             if block is None:
                 self.dropped["unknown_remove"] += 1
                 continue
-            for k in block[_COMPLETES]:
+            for k in reversed(block[_COMPLETES]):
                 c = count.get(k)
                 if c is None:
                     continue
@@ -161,7 +162,7 @@ class RankCanonicaliser:
         """Keys per chain; None for a chain with invalid token ids (counted)."""
         try:
             if len(chains) >= BATCH_KEYS_MIN:
-                return list(keys_many(self.keyer, chains))
+                return self.keyer.keys_many(chains)
             return [self.keyer.keys(t, b) for t, b in chains]
         except InvalidTokens:
             pass

@@ -8,8 +8,6 @@ It keeps each key's parent so a snapshot can be written as chains.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from gateway.bus import Cleared, Event, Removed, Stored
 from worker_agent.canonical import Chain
 
@@ -80,28 +78,21 @@ class WorkerMirror:
 
 
 def build_chains(parent: dict[int, int | None], max_len: int = 0) -> list[Chain]:
-    """Group keys into chains, parents before children (pure; may run in a thread)."""
-    children: dict[int, list[int]] = defaultdict(list)
-    roots: list[int] = []
-    for k, p in parent.items():
-        if p is not None and p in parent:
-            children[p].append(k)
-        else:
-            roots.append(k)
+    """Group keys into chains (snapshots, resync); pure, one linear pass.
+
+    The mirror's dict keeps insertion order and a key is inserted after its parent
+    (published stores follow their parents), so consecutive entries already form chains
+    in parent-first order. A key re-inserted after its children (evicted and stored again)
+    just starts a chain that the index attaches when it arrives. ``max_len`` splits chains.
+    """
     out: list[Chain] = []
-    stack = roots[::-1]
-    while stack:
-        k = stack.pop()
-        chain_parent = parent[k]
-        chain = [k]
-        while True:
-            kids = children.get(k)
-            if not kids or (max_len and len(chain) >= max_len):
-                if kids:
-                    stack.extend(reversed(kids))
-                break
-            k = kids[0]
-            stack.extend(reversed(kids[1:]))
+    chain: list[int] = []
+    prev: int | None = None
+    for k, p in parent.items():
+        if chain and p == prev and p is not None and (not max_len or len(chain) < max_len):
             chain.append(k)
-        out.append((chain_parent, chain))
+        else:
+            chain = [k]
+            out.append((p, chain))
+        prev = k
     return out

@@ -67,21 +67,16 @@ class EventPipeline:
         out = _Events()
         wave: list[BlockStored] = []
         wave_hashes: set[object] = set()
-        gone: BlockRemoved | None = None  # consecutive removes, applied in one call
+        gone: list[BlockRemoved] = []  # consecutive removes: one mirror change
         stored = removed = 0
         for ev in batch.events:
             if isinstance(ev, BlockRemoved):
                 removed += 1
                 self._store_wave(canon, wave, out)
                 wave_hashes.clear()
-                if gone is not None and (gone.medium, gone.group_idx) == (ev.medium, ev.group_idx):
-                    gone.hashes.extend(ev.hashes)
-                else:
-                    self._remove(canon, gone, out)
-                    gone = BlockRemoved(list(ev.hashes), ev.medium, ev.group_idx)
+                gone.append(ev)
                 continue
             self._remove(canon, gone, out)
-            gone = None
             if isinstance(ev, BlockStored):
                 stored += 1
                 if ev.parent is not None and ev.parent in wave_hashes:
@@ -103,11 +98,12 @@ class EventPipeline:
         self._emit(out.items, rank, seq, batch.ts)
         return True
 
-    def _remove(self, canon: RankCanonicaliser, ev: BlockRemoved | None, out: _Events) -> None:
-        if ev is not None:
-            keys = canon.removed(ev)
+    def _remove(self, canon: RankCanonicaliser, gone: list[BlockRemoved], out: _Events) -> None:
+        if gone:
+            keys = [k for ev in gone for k in canon.removed(ev)]
             if keys:
                 out.extend(self.mirror.drop(keys))
+            gone.clear()
 
     def _store_wave(self, canon: RankCanonicaliser, wave: list[BlockStored], out: _Events) -> None:
         """Stores with no dependency among them: keyed together, applied in order."""

@@ -94,6 +94,8 @@ class Publisher:
         self._snapshot_due = True
         self._next_snapshot = 0.0
         self._resync = False
+        self._snapshot_task: asyncio.Task[None] | None = None
+        self.snapshots_written = 0
         self._connected = True
         self._wake = asyncio.Event()
         self.started = asyncio.Event()  # set after the first acknowledged write
@@ -147,13 +149,16 @@ class Publisher:
 
     def _has_work(self) -> bool:
         st = self._st
-        return bool(st.pending or st.unsent or self._resync) or self._snapshot_due
+        snapshot_due = self._snapshot_due and self._snapshot_task is None
+        return bool(st.pending or st.unsent or self._resync) or snapshot_due
 
     async def _step(self) -> None:
         if self._resync:
             self._build_resync()
         self._drain()
-        snap = self._capture_snapshot() if self._snapshot_due else None
+        snap = None
+        if self._snapshot_due and self._snapshot_task is None:
+            snap = self._capture_snapshot()
         st = self._st
         if st.unsent:
             try:
@@ -168,8 +173,14 @@ class Publisher:
             st.unsent_size = 0
             self.metrics.buffer_depth.set(st.pending_size)
         if snap is not None:
-            await self._write_snapshot(*snap)
-        if self.acked_seq:
+            # the snapshot is the state after entry ``seq``, whose id is now ``last_id``
+            write = self._write_snapshot(snap[0], self.last_id, snap[1])
+            if self.started.is_set():  # in the background: entries keep flowing meanwhile
+                self._snapshot_task = asyncio.create_task(write)
+                self._snapshot_task.add_done_callback(self._snapshot_done)
+            else:
+                await write  # the epoch's first snapshot precedes the registration
+        if self.acked_seq and self.snapshots_written:
             self.started.set()  # the epoch's first entry and snapshot are written
         if not st.pending and not st.unsent:
             self.idle.set()
@@ -246,18 +257,38 @@ class Publisher:
         self._next_snapshot = time.monotonic() + self.settings.snapshot_interval
         return self.seq, dict(self._parents())
 
-    async def _write_snapshot(self, seq: int, parents: dict[int, int | None]) -> None:
+    async def _write_snapshot(
+        self, seq: int, stream_id: str, parents: dict[int, int | None]
+    ) -> None:
+        """Write the snapshot, then trim behind the previous one. Failures only mark a
+        snapshot due again (the writer loop deals with the bus being down)."""
         chains: list[Chain] = await asyncio.to_thread(build_chains, parents)
-        snap = Snapshot(PROTOCOL_VERSION, self.epoch, seq, self.last_id, time.time(), chains)
+        snap = Snapshot(PROTOCOL_VERSION, self.epoch, seq, stream_id, time.time(), chains)
         try:
             await self.bus.write_snapshot(self.worker, snap)
             if self._prev_snapshot_id is not None:
                 await self.bus.trim(self.worker, self._prev_snapshot_id)
         except BusError:
+            self.metrics.publish_errors.inc()
             self._snapshot_due = True
-            raise
-        self._prev_snapshot_id = self.last_id
+            self._next_snapshot = time.monotonic() + self.settings.backoff_max
+            return
+        self._prev_snapshot_id = stream_id
+        self.snapshots_written += 1
         self.metrics.snapshots.inc()
+
+    def _snapshot_done(self, task: asyncio.Task[None]) -> None:
+        self._snapshot_task = None
+        if not task.cancelled() and task.exception() is not None:
+            log.error("snapshot writer failed", exc_info=task.exception())
+            self._snapshot_due = True
+        self._wake.set()
+
+    def close(self) -> None:
+        """Stop a snapshot being written in the background (agent shutdown)."""
+        self.stopping = True
+        if self._snapshot_task is not None:
+            self._snapshot_task.cancel()
 
     def _set_connected(self, ok: bool, exc: BaseException | None = None) -> None:
         if ok and not self._connected:

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import struct
 import sys
 import tempfile
@@ -215,7 +216,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
          "--worker-id", WORKER, "--model", "bench", "--redis", redis_srv.url,
          "--events", f"tcp://127.0.0.1:{pub_port}", "--replay", f"tcp://127.0.0.1:{replay_port}",
          "--block-size", str(args.block_size), "--log-level", "WARNING",
-         "--set", "publish.snapshot_interval=3600", "--set", "publish.max_buffer_events=5000000"],
+         "--set", "publish.max_buffer_events=5000000"],
         "agent", workdir,
     )  # fmt: skip
     bus = RedisBus(redis_srv.url)
@@ -280,6 +281,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         pub.close()
         ctx.destroy(linger=0)
         redis_srv.close()
+    shutil.rmtree(workdir, ignore_errors=True)  # kept (agent.log) when the run failed
     rate = e2e_blocks / elapsed
     lag50, lag99 = percentile(tap.lags, 0.5) * 1000, percentile(tap.lags, 0.99) * 1000
     table = [
