@@ -200,9 +200,16 @@ class Proxy:
         ticket = router.started(decision, prep.prompt_tokens, self.clock())
         m.inflight.labels(pool.name, wid).inc()
         m.gateway_inflight.inc()
+        # One deadline covers the response headers and the first body chunk: engines send
+        # nothing at all until their first token, so a stuck worker stalls in post().
+        deadline = asyncio.get_running_loop().time() + self.settings.first_byte_timeout
         try:
             try:
-                resp = await self.session.post(entry.url + path, data=body, headers=headers)
+                async with asyncio.timeout_at(deadline):
+                    resp = await self.session.post(entry.url + path, data=body, headers=headers)
+            except TimeoutError:
+                self.registry.on_failure(wid, self.clock(), fatal=False)
+                raise _Retry("first_byte_timeout", False, f"{wid} sent nothing for {self.settings.first_byte_timeout:g}s") from None
             except aiohttp.ClientConnectorError as exc:
                 self.registry.on_failure(wid, self.clock(), fatal=True)
                 raise _Retry("connect", True, f"cannot connect to {wid}: {exc.strerror or exc}") from None
@@ -216,7 +223,7 @@ class Proxy:
                     if resp.status != 429:  # 429: busy, not broken
                         self.registry.on_failure(wid, self.clock(), fatal=False)
                     raise _Retry(f"http_{resp.status}", False, f"{wid} answered {resp.status}")
-                first = await self._first_chunk(resp, wid)
+                first = await self._first_chunk(resp, wid, deadline)
                 now = self.clock()
                 router.first_token(ticket, now)
                 m.ttft.labels(pool.name, wid).observe(now - ticket.sent_at)
@@ -238,10 +245,10 @@ class Proxy:
             m.inflight.labels(pool.name, wid).dec()
             m.gateway_inflight.dec()
 
-    async def _first_chunk(self, resp: aiohttp.ClientResponse, wid: str) -> bytes:
+    async def _first_chunk(self, resp: aiohttp.ClientResponse, wid: str, deadline: float) -> bytes:
         """The first body bytes, or a retry (the client has not been answered yet)."""
         try:
-            async with asyncio.timeout(self.settings.first_byte_timeout):
+            async with asyncio.timeout_at(deadline):
                 first = await resp.content.readany()
         except TimeoutError:
             self.registry.on_failure(wid, self.clock(), fatal=False)
@@ -249,8 +256,6 @@ class Proxy:
         except (aiohttp.ClientError, OSError) as exc:
             self.registry.on_failure(wid, self.clock(), fatal=False)
             raise _Retry("broken", False, f"{wid} broke before the first byte: {exc!r}") from None
-        if not first and resp.status < 400 and not resp.content.at_eof():
-            raise _Retry("empty", False, f"{wid} closed the response without a body")
         if not first and resp.status < 400:
             self.registry.on_failure(wid, self.clock(), fatal=False)
             raise _Retry("empty", False, f"{wid} closed the response without a body")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import hmac
 import logging
 import random
@@ -34,7 +33,7 @@ from gateway.circuit import CircuitState
 from gateway.config import ApiKey, GatewayConfig
 from gateway.consumer import Consumer
 from gateway.errors import ApiError, error_body
-from gateway.index import ShadowIndex
+from gateway.index import ShadowIndex, key_digest
 from gateway.limits import Admission, TokenBucket
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
@@ -346,7 +345,7 @@ class Gateway:
         out = {}
         for wid in sorted(set(self.index.workers()) | set(self.registry.workers)):
             keys = self.index.worker_keys(wid)
-            out[wid] = {"blocks": len(keys), "digest": index_digest(keys)}
+            out[wid] = {"blocks": len(keys), "digest": key_digest(keys)}
         return web.json_response({"workers": out, "stats": dataclasses.asdict(self.index.stats)})
 
     async def workers(self, request: web.Request) -> web.Response:
@@ -377,14 +376,6 @@ class Gateway:
                 }
             )
         return web.json_response({"workers": out, "rejected_registrations": self.registry.rejected})
-
-
-def index_digest(keys: frozenset[int]) -> str:
-    """Order-independent digest of a key set (equal sets, equal digests)."""
-    h = hashlib.sha256()
-    for k in sorted(keys):
-        h.update(k.to_bytes(8, "little"))
-    return h.hexdigest()[:32]
 
 
 def _circuit_value(state: CircuitState) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from gateway.index import key_digest
 from loadtest.harness import ChildProcess, HarnessError, RedisServer, free_port
 
 __all__ = ["Stack", "StackConfig"]
@@ -75,6 +76,7 @@ class Stack:
         self.worker_urls: list[str] = []
         self.sim_admin_url = ""
         self.sim_base_port = 0
+        self.agent_ports: list[int] = []  # each agent's /metrics and /mirror
         self.extra: list[ChildProcess] = []
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -163,11 +165,13 @@ class Stack:
 
     def start_agent(self, i: int) -> ChildProcess:
         c = self.config
+        while len(self.agent_ports) <= i:
+            self.agent_ports.append(free_port())
         args = [
             "agent", "--engine", c.flavor, "--engine-url", self.worker_urls[i],
             "--redis", self.agent_redis_url(), "--worker-id", self.worker_id(i), "--model", c.model,
             "--hash-seed", c.hash_seed, "--block-size", str(c.block_size),
-            "--log-level", "INFO", *c.agent_args,
+            "--log-level", "INFO", "--metrics-port", str(self.agent_ports[i]), *c.agent_args,
         ]  # fmt: skip
         proc = ChildProcess.kvroute(args, f"agent-{i}", self.log_dir).start()
         if i < len(self.agents):
@@ -253,6 +257,33 @@ class Stack:
         req = urllib.request.Request(self.sim_admin_url + "/sim/fault", data=body, method="POST", headers={"content-type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             return dict(json.loads(resp.read()))
+
+    def mirror(self, i: int) -> dict[str, Any]:
+        """Agent ``i``'s mirror: block count and key digest (what the index must equal)."""
+        status, body = _get(f"http://127.0.0.1:{self.agent_ports[i]}/mirror")
+        if status != 200:
+            raise ValueError(f"agent {i} /mirror answered {status}")
+        return dict(json.loads(body))
+
+    def index(self, gateway: int = 0) -> dict[str, dict[str, Any]]:
+        """The gateway's shadow index per worker: block count and key digest."""
+        status, body = _get(self.gateway_urls[gateway] + "/debug/index", ADMIN_KEY)
+        if status != 200:
+            raise ValueError(f"/debug/index answered {status}")
+        return dict(json.loads(body)["workers"])
+
+    def diverged(self, gateway: int = 0) -> dict[str, tuple[int, int]]:
+        """Workers whose index entry differs from their agent's mirror: {id: (index, mirror)}."""
+        index = self.index(gateway)
+        out = {}
+        for i in range(len(self.agents)):
+            if not self.agents[i].alive():
+                continue
+            m = self.mirror(i)
+            got = index.get(m["worker_id"], {"blocks": 0, "digest": key_digest(())})
+            if got["digest"] != m["digest"]:
+                out[m["worker_id"]] = (got["blocks"], m["blocks"])
+        return out
 
     def sim_state(self) -> list[dict[str, Any]]:
         status, body = _get(self.sim_admin_url + "/sim/workers")

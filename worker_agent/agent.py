@@ -22,6 +22,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from gateway.bus import BusError, Cleared, EventBus, WorkerInfo
+from gateway.index import key_digest
 from gateway.keys import BlockKeyer
 from worker_agent.config import AgentConfig
 from worker_agent.engines import adapter_for
@@ -245,6 +246,10 @@ class Agent:
                 await self.bus.register(self.worker_info(), self.config.registration_ttl)
             except BusError:
                 self.metrics.publish_errors.inc()
+                self.metrics.heartbeats.labels("error").inc()
+            else:
+                self.metrics.heartbeats.labels("ok").inc()
+                self.metrics.last_heartbeat.set(time.time())
             await asyncio.sleep(self.config.heartbeat_interval)
 
     async def _report_loop(self) -> None:
@@ -285,8 +290,15 @@ class Agent:
                 headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
             )
 
+        async def mirror(_: web.Request) -> web.Response:
+            keys = self.mirror_keys()
+            return web.json_response(
+                {"worker_id": self.config.worker_id, "blocks": len(keys), "digest": key_digest(keys)}
+            )
+
         app = web.Application()
         app.router.add_get("/metrics", handle)
+        app.router.add_get("/mirror", mirror)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.config.metrics_host, self.config.metrics_port)

@@ -33,6 +33,14 @@ class AgentMetrics:
             p + "buffer_depth", "Canonical events not yet published", registry=r
         )
         self.connected = Gauge(p + "redis_connected", "1 when the event bus answers", registry=r)
+        self.heartbeats = Counter(
+            p + "heartbeats", "Registration renewals by result (ok, error)", ["result"], registry=r
+        )
+        self.last_heartbeat = Gauge(
+            p + "last_heartbeat_timestamp_seconds",
+            "Unix time of the last registration renewal that reached the bus",
+            registry=r,
+        )
         self.mirror_blocks = Gauge(
             p + "mirror_blocks", "Canonical keys the worker holds", registry=r
         )

@@ -118,6 +118,12 @@ class EventPublisher:
             await self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
         return seq
 
+    async def publish_raw(self, frames: list[bytes]) -> None:
+        """Send arbitrary frames on the live socket (fault injection: not numbered, not
+        buffered for replay)."""
+        if self._pub is not None:
+            await self._pub.send_multipart(frames)
+
     # -- replay ----------------------------------------------------------------------------
 
     async def _serve_replay(self) -> None:

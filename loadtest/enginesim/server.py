@@ -188,6 +188,13 @@ class _Handlers:
     async def _stream(
         self, request: web.Request, g: GenRequest, gen: Generation, shape: _Shape
     ) -> web.StreamResponse:
+        # Like vLLM, nothing is sent (not even headers) before the first token: the engine's
+        # output generator yields its role chunk on the first result. A failure before then
+        # is an ordinary HTTP error, which a router may still retry elsewhere.
+        while not (gen.produced or gen.finished or gen.error):
+            await gen.wait()
+        if gen.error and not gen.produced:
+            return _json(error_body(503, gen.error), 503)
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -196,7 +203,8 @@ class _Handlers:
             await resp.write(_sse(first))
         sent = 0
         while True:
-            await gen.wait()
+            if not (gen.produced > sent or gen.finished or gen.error):
+                await gen.wait()
             if gen.error:
                 await resp.write(_sse(error_body(503, gen.error)))
                 return resp

@@ -33,8 +33,10 @@ __all__ = ["FAULT_ACTIONS", "FaultError", "Generation", "SimWorker"]
 log = logging.getLogger(__name__)
 
 FAULT_ACTIONS = (
-    "kill", "restart", "pause", "resume", "slow", "drop_events", "refuse", "accept",
+    "kill", "restart", "pause", "resume", "slow", "drop_events", "refuse", "accept", "garbage",
 )  # fmt: skip
+#: what the ``garbage`` fault can put on the event socket (R5: counted and skipped)
+GARBAGE_KINDS = ("bytes", "wrong_types", "unknown_fields", "unknown_parent", "huge", "frames")
 
 
 class FaultError(ValueError):
@@ -166,6 +168,36 @@ class SimWorker:
         self.slowdown = factor
         self.core.timing = self._timing()
 
+    async def publish_garbage(self, kind: str) -> None:
+        """Put a malformed batch on the event socket, as a broken or hostile engine would.
+
+        ``bytes``: not msgpack; ``wrong_types``: fields of the wrong type; ``unknown_fields``:
+        extra keys on an otherwise valid removal of an unknown block; ``unknown_parent``: a
+        store whose parent was never stored; ``huge``: more events than any decoder should
+        accept; ``frames``: a message with the wrong number of frames. All but ``frames``
+        take a sequence number, as a real engine's batch would.
+        """
+        import msgspec
+
+        pub = self.publisher
+        if pub is None:
+            raise FaultError("this worker publishes no events")
+        enc = msgspec.msgpack.encode
+        bs = self.config.cache.block_size
+        payloads = {
+            "bytes": b"\xc1\xff not msgpack \x00" * 8,
+            "wrong_types": enc([1.0, [{"type": "BlockStored", "block_hashes": "nope", "parent_block_hash": {}, "token_ids": "x", "block_size": "16"}], 0]),
+            "unknown_fields": enc([1.0, [{"type": "BlockRemoved", "block_hashes": [12345], "medium": "GPU", "future_field": [1, 2], "x": {"y": 1}}], 0]),
+            "unknown_parent": enc([1.0, [{"type": "BlockStored", "block_hashes": [987654321], "parent_block_hash": 111222333, "token_ids": list(range(bs)), "block_size": bs, "lora_id": None, "medium": "GPU", "lora_name": None}], 0]),
+            "huge": enc([1.0, [{"type": "AllBlocksCleared"}] * 200_000, 0]),
+        }
+        if kind == "frames":
+            await pub.publish_raw([b"only-two", b"frames"])
+        elif kind in payloads:
+            await pub.publish(payloads[kind])
+        else:
+            raise FaultError(f"unknown garbage kind {kind!r}; known: {', '.join(GARBAGE_KINDS)}")
+
     def drop_event_batches(self, n: int) -> None:
         """Do not send the next ``n`` event batches live (replay still has them)."""
         if n < 0:
@@ -199,6 +231,8 @@ class SimWorker:
             self.drop_event_batches(_number(params, "count", int))
         elif action == "refuse":
             await self.refuse_connections()
+        elif action == "garbage":
+            await self.publish_garbage(str(params.get("kind", "bytes")))
         elif action == "accept":
             await self.accept_connections()
         else:

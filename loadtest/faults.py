@@ -1,0 +1,314 @@
+"""Fault injection against the real system: one scenario per fault, each bounded in time.
+
+Every scenario runs on a live stack (Redis, sim workers, agents, gateway) under a steady
+background load, injects one fault, lets the system recover, and reports:
+
+* ``requests`` / ``failed``: client requests sent during the scenario and those that failed
+  and should not have (a stream already under way when its worker dies is allowed to end
+  with an error event; it is counted as ``broken_streams``, not as failed);
+* ``lost``: workers whose shadow-index entry differs from their agent's mirror after
+  recovery (compared by key digest, exactly);
+* ``recovery_s``: from the end of the fault to the index equal to the mirrors again (or the
+  scenario's own recovery condition).
+
+Used by ``kvroute bench faults`` (docs/reliability.md) and by the tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from loadtest.driver import DriverConfig, RequestRecord, run_load
+from loadtest.stack import Stack
+from loadtest.workloads import ChatWorkload, WorkItem
+
+__all__ = ["FAULTS", "FaultResult", "run_fault"]
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    injected: str
+    requests: int = 0
+    failed: int = 0
+    broken_streams: int = 0
+    lost: int = 0
+    recovery_s: float | None = None
+    ok: bool = False
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class BackgroundLoad:
+    """Chat traffic at ``rate`` req/s for ``seconds``, in its own thread and event loop."""
+
+    def __init__(self, stack: Stack, rate: float, seconds: float, max_tokens: int = 16, seed: int = 3) -> None:
+        turns = 4.0
+        wl = ChatWorkload(
+            conversations=int(rate * seconds / turns) + 5,
+            turns=(3, 5),
+            system_prompts=4,
+            system_tokens=400,
+            user_tokens=(20, 80),
+            assistant_tokens=(max_tokens, max_tokens),
+            think_time=1.0,
+            rate=rate / turns,
+            seed=seed,
+        )
+        self.items: list[WorkItem] = [it for it in wl.items() if it.at <= seconds]
+        self.cfg = DriverConfig(stack.gateway_urls[0], stack.config.model, "chat", max_duration=seconds, drain_timeout=60.0, request_timeout=60.0, progress=False)
+        self.records: list[RequestRecord] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.t0 = 0.0
+
+    def _run(self) -> None:
+        result = asyncio.run(run_load(self.items, self.cfg))
+        self.records = result.records
+
+    def __enter__(self) -> BackgroundLoad:
+        self.t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join(timeout=180)
+
+    def at(self, t: float) -> None:
+        """Sleep until ``t`` seconds after the load started (scenario timeline)."""
+        time.sleep(max(0.0, self.t0 + t - time.monotonic()))
+
+    def tally(self, result: FaultResult) -> None:
+        sent = [r for r in self.records if r.error != "not sent: beyond max_duration"]
+        result.requests = len(sent)
+        for r in sent:
+            if r.ok:
+                continue
+            if r.ttft is not None:  # the stream had started: it must end with an error event
+                result.broken_streams += 1
+                if not (r.error or "").startswith("stream error"):
+                    result.failed += 1  # ... and not with a hang or a cut connection
+            else:
+                result.failed += 1
+        result.detail["errors"] = sorted({(r.error or "")[:120] for r in sent if not r.ok})[:5]
+
+
+def _wait(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> float | None:
+    """Seconds until ``cond()`` held, or None after ``timeout``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if cond():
+                return time.monotonic() - t0
+        except (OSError, ValueError):
+            pass
+        time.sleep(step)
+    return None
+
+
+def _busiest(stack: Stack) -> int:
+    """The worker with the most requests in flight, then the most indexed blocks: a fault
+    aimed there meets traffic and state (a fault on an idle worker proves nothing)."""
+    ws = stack.workers()
+    best = max(ws, key=lambda w: (w["inflight"], w["index_blocks"]))
+    return int(best["worker_id"].rsplit("-", 1)[1])
+
+
+def _converged(stack: Stack) -> bool:
+    return not stack.diverged()
+
+
+def _settle(stack: Stack, result: FaultResult, since: float, timeout: float = 30.0) -> None:
+    """Record recovery time (from ``since``) and what still diverges after ``timeout``."""
+    took = _wait(lambda: _converged(stack), timeout)
+    result.recovery_s = None if took is None else round(time.monotonic() - since, 2)
+    result.lost = len(stack.diverged()) if took is None else 0
+
+
+def _gateway_counter(stack: Stack, name: str, worker: str, **labels: str) -> float:
+    """Sum of a gateway counter's samples for ``worker`` (and ``labels``)."""
+    with urllib.request.urlopen(stack.gateway_urls[0] + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    want = [f'worker="{worker}"', *(f'{k}="{v}"' for k, v in labels.items())]
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(w in line for w in want):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _agent_counter(stack: Stack, i: int, prefix: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.agent_ports[i]}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+
+
+def redis_outage(stack: Stack, outage_s: float = 30.0, rate: float = 4.0) -> FaultResult:
+    """R1: Redis killed under load for ``outage_s``, then restarted."""
+    assert stack.redis is not None
+    res = FaultResult("redis_outage", f"redis-server SIGKILL for {outage_s:g}s under {rate:g} req/s")
+    with BackgroundLoad(stack, rate, outage_s + 20.0) as load:
+        load.at(5.0)
+        stack.redis.kill()
+        load.at(5.0 + outage_s)
+        stack.redis.start()
+        back = time.monotonic()
+        _settle(stack, res, back)
+    load.tally(res)
+    res.ok = res.failed == 0 and res.lost == 0 and res.recovery_s is not None and res.recovery_s <= 5.0
+    return res
+
+
+def agent_restart(stack: Stack, rate: float = 4.0) -> FaultResult:
+    """R2: an agent killed (SIGKILL) and started again: new epoch, stale entries dropped."""
+    res = FaultResult("agent_restart", "the busiest worker's agent SIGKILL, restarted 2s later")
+    with BackgroundLoad(stack, rate, 20.0) as load:
+        load.at(5.0)
+        worker = _busiest(stack)
+        stack.agents[worker].kill()
+        load.at(7.0)
+        stack.start_agent(worker)
+        back = time.monotonic()
+        _settle(stack, res, back)
+    load.tally(res)
+    res.ok = res.failed == 0 and res.lost == 0 and res.recovery_s is not None and res.recovery_s <= 5.0
+    return res
+
+
+def engine_restart(stack: Stack, rate: float = 4.0) -> FaultResult:
+    """R2: the engine restarts (sequence back to 0, cache empty): stale entries gone in 2s."""
+    res = FaultResult("engine_restart", "the busiest worker's engine restarts (sequence reset, empty cache)")
+    with BackgroundLoad(stack, rate, 20.0) as load:
+        load.at(6.0)
+        worker = _busiest(stack)
+        wid = stack.worker_id(worker)
+        old = stack.index().get(wid, {}).get("blocks", 0)
+        stack.fault(worker, "restart")
+        t = time.monotonic()
+        # every pre-restart block must leave the index; the fresh engine's new blocks may
+        # arrive meanwhile, so "gone" is the first moment the count fell below the old one
+        # and the entry equals the agent's mirror of the fresh engine
+        gone = _wait(lambda: stack.index().get(wid, {}).get("blocks", 0) < old and not stack.diverged(), 10.0)
+        res.detail.update(worker=wid, blocks_before=old, stale_gone_s=None if gone is None else round(gone, 2))
+        _settle(stack, res, t)
+    load.tally(res)
+    res.ok = res.failed == 0 and res.lost == 0 and old > 0 and gone is not None and gone <= 2.0
+    return res
+
+
+def dropped_batches(stack: Stack, count: int = 5, rate: float = 4.0) -> FaultResult:
+    """R2: event batches lost on the wire (a sequence gap): replay, then exact convergence."""
+    res = FaultResult("dropped_batches", f"the busiest worker drops its next {count} event batches")
+    with BackgroundLoad(stack, rate, 15.0) as load:
+        load.at(4.0)
+        worker = _busiest(stack)
+        stack.fault(worker, "drop_events", count=count)
+        load.at(10.0)
+        _settle(stack, res, time.monotonic())
+    load.tally(res)
+    res.detail["agent_replays"] = _agent_counter(stack, worker, "kvroute_agent_replays_total")
+    res.detail["agent_gaps"] = _agent_counter(stack, worker, "kvroute_agent_sequence_gaps_total")
+    res.ok = res.failed == 0 and res.lost == 0 and res.detail["agent_gaps"] > 0
+    return res
+
+
+def worker_killed(stack: Stack, rate: float = 6.0) -> FaultResult:
+    """R3: a worker dies mid-load: un-started requests retried, streams end with an error
+    event, and no new request is sent to it a second after its death is observable."""
+    res = FaultResult("worker_killed", "the busiest worker killed (connections refused and reset) under load")
+    with BackgroundLoad(stack, rate, 20.0, max_tokens=600) as load:  # long streams: some under way
+        load.at(6.0)
+        worker = _busiest(stack)
+        wid = stack.worker_id(worker)
+        inflight = next(w["inflight"] for w in stack.workers() if w["worker_id"] == wid)
+        stack.fault(worker, "kill")
+        load.at(8.0)  # death observable within the first refused attempt or the 1s probe
+        attempts = _gateway_counter(stack, "kvroute_retries_total", wid)
+        load.at(20.0)
+        res.detail.update(worker=wid, inflight_at_kill=inflight, attempts_after_2s=_gateway_counter(stack, "kvroute_retries_total", wid) - attempts)
+        stack.fault(worker, "restart")
+        _settle(stack, res, time.monotonic())
+    load.tally(res)
+    res.ok = res.failed == 0 and res.detail["attempts_after_2s"] == 0 and res.lost == 0 and inflight > 0
+    return res
+
+
+def stuck_worker(stack: Stack, rate: float = 4.0) -> FaultResult:
+    """A worker that accepts requests but never answers: first-byte timeouts retry them
+    elsewhere and the circuit breaker isolates it. Run with the gateway's
+    ``proxy.first_byte_timeout`` short (2s) so the scenario stays short."""
+    res = FaultResult("stuck_worker", "the busiest worker paused (accepts, never answers) for 10s")
+    with BackgroundLoad(stack, rate, 20.0) as load:
+        load.at(4.0)
+        worker = _busiest(stack)
+        wid = stack.worker_id(worker)
+        stack.fault(worker, "pause")
+        load.at(14.0)
+        res.detail.update(worker=wid, timed_out=_gateway_counter(stack, "kvroute_retries_total", wid, cause="first_byte_timeout"))
+        circuit = next(w["circuit"] for w in stack.workers() if w["worker_id"] == wid)
+        res.detail["circuit_during"] = circuit
+        stack.fault(worker, "resume")
+        _settle(stack, res, time.monotonic())
+    load.tally(res)
+    res.ok = res.failed == 0 and res.lost == 0 and res.detail["timed_out"] > 0 and circuit != "closed"
+    return res
+
+
+def bad_events(stack: Stack, rate: float = 3.0) -> FaultResult:
+    """R5: garbage frames, wrong types, unknown fields and parents, huge batches: counted,
+    skipped, nothing crashes, and the index still equals the mirrors."""
+    from loadtest.enginesim.worker import GARBAGE_KINDS
+
+    res = FaultResult("bad_events", f"the busiest worker publishes {', '.join(GARBAGE_KINDS)}")
+    with BackgroundLoad(stack, rate, 15.0) as load:
+        load.at(3.0)
+        worker = _busiest(stack)
+        for kind in GARBAGE_KINDS:
+            stack.fault(worker, "garbage", kind=kind)
+        load.at(8.0)
+        _settle(stack, res, time.monotonic())
+    load.tally(res)
+    res.detail["agent_bad_events"] = _agent_counter(stack, worker, "kvroute_agent_events_bad_total")
+    res.detail["agent_alive"] = stack.agents[worker].alive()
+    res.detail["gateway_alive"] = stack.gateways[0].alive()
+    res.ok = res.failed == 0 and res.lost == 0 and res.detail["agent_alive"] and res.detail["gateway_alive"] and res.detail["agent_bad_events"] > 0
+    return res
+
+
+FAULTS: dict[str, Callable[..., FaultResult]] = {
+    "redis_outage": redis_outage,
+    "agent_restart": agent_restart,
+    "engine_restart": engine_restart,
+    "dropped_batches": dropped_batches,
+    "worker_killed": worker_killed,
+    "stuck_worker": stuck_worker,
+    "bad_events": bad_events,
+}
+
+
+def run_fault(name: str, stack: Stack, **params: Any) -> FaultResult:
+    try:
+        return FAULTS[name](stack, **params)
+    except KeyError:
+        raise ValueError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}") from None
+
+
+def summary(results: list[FaultResult]) -> dict[str, Any]:
+    return {
+        "faults": [r.to_json() for r in results],
+        "failed_requests": sum(r.failed for r in results),
+        "lost": sum(r.lost for r in results),
+        "ok": all(r.ok for r in results),
+    }
+
+
