@@ -52,11 +52,7 @@ class Circuit:
         """A request failed; ``fatal``: the worker is unreachable (connection refused)."""
         self.failures += 1
         self.probing = False
-        if (
-            fatal
-            or self.state is CircuitState.HALF_OPEN
-            or self.failures >= self.failure_threshold
-        ):
+        if fatal or self.state is CircuitState.HALF_OPEN or self.failures >= self.failure_threshold:
             if self.state is not CircuitState.OPEN:
                 self.opens += 1
             self.state = CircuitState.OPEN

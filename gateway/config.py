@@ -14,10 +14,10 @@ This module also holds the gateway's own configuration schema (``GatewayConfig``
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 import types
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -25,7 +25,14 @@ import yaml
 
 from gateway.costmodel import CostParams
 
-__all__ = ["ConfigError", "GatewayConfig", "PoolSettings", "load_config", "parse_assignments", "to_dict"]
+__all__ = [
+    "ConfigError",
+    "GatewayConfig",
+    "PoolSettings",
+    "load_config",
+    "parse_assignments",
+    "to_dict",
+]
 
 T = TypeVar("T")
 
@@ -169,7 +176,11 @@ def _strip_optional(tp: Any) -> Any:
 def _build(tp: Any, value: Any, where: str) -> Any:
     name = where or "<root>"
     if isinstance(value, _Raw):
-        if tp is str or tp is Any or (get_origin(tp) in (typing.Union, types.UnionType) and str in get_args(tp)):
+        if (
+            tp is str
+            or tp is Any
+            or (get_origin(tp) in (typing.Union, types.UnionType) and str in get_args(tp))
+        ):
             return str(value)
         value = _parse_scalar(value)
     origin = get_origin(tp)
@@ -243,6 +254,7 @@ def _build(tp: Any, value: Any, where: str) -> Any:
 
 
 # -- the gateway's configuration schema --------------------------------------------------------
+
 
 @dataclass
 class ServerSettings:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from gateway.aio import wait_event
 from gateway.bus import BusError, Cleared, Entry, EventBus, Removed, Snapshot, Stored, WorkerInfo
 from gateway.index import ShadowIndex
 from gateway.load import EngineReport
@@ -177,18 +178,6 @@ class StreamApplier:
                 index.cleared(worker)
         if removes:
             index.removed(worker, removes)
-
-
-async def wait_event(event: asyncio.Event, seconds: float) -> bool:
-    """Wait for ``event`` up to ``seconds``; True if set. (``asyncio.timeout``, not
-    ``wait_for``: on Python 3.11 ``wait_for`` can swallow a cancellation that races its
-    timeout, and a loop that swallows its cancellation never stops.)"""
-    try:
-        async with asyncio.timeout(seconds):
-            await event.wait()
-        return True
-    except TimeoutError:
-        return False
 
 
 def _id_after(a: str, b: str) -> bool:

@@ -30,7 +30,10 @@ class ApiError(Exception):
 
 
 def error_body(
-    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
 ) -> bytes:
     return json.dumps(
         {"error": {"message": message, "type": type, "param": param, "code": code}}

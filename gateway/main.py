@@ -35,14 +35,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="listen port (server.port)")
     p.add_argument("--workers", type=int, help="processes on the port (server.workers)")
     p.add_argument("--redis", help="event bus URL, redis:// or rediss:// (redis.url)")
-    p.add_argument("--set", action="append", metavar="PATH=VALUE", help="any setting, e.g. --set proxy.max_retries=3")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="PATH=VALUE",
+        help="any setting, e.g. --set proxy.max_retries=3",
+    )
     p.add_argument("--log-level", help="debug, info, warning (log.level)")
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     overrides: dict[str, Any] = parse_assignments(args.set)
-    for flag, path in (("host", "server.host"), ("port", "server.port"), ("workers", "server.workers"), ("redis", "redis.url"), ("log_level", "log.level")):
+    for flag, path in (
+        ("host", "server.host"),
+        ("port", "server.port"),
+        ("workers", "server.workers"),
+        ("redis", "redis.url"),
+        ("log_level", "log.level"),
+    ):
         value = getattr(args, flag)
         if value is not None:
             overrides[path] = value
@@ -93,7 +104,9 @@ def make_bus(cfg: GatewayConfig) -> Any:
     return RedisBus(cfg.redis.url, connect_timeout=cfg.redis.connect_timeout, **extra)
 
 
-async def serve(cfg: GatewayConfig, reuse_port: bool = False, stop: asyncio.Event | None = None) -> None:
+async def serve(
+    cfg: GatewayConfig, reuse_port: bool = False, stop: asyncio.Event | None = None
+) -> None:
     """Run one gateway process until SIGTERM/SIGINT (or ``stop`` is set)."""
     from aiohttp import web
 
@@ -101,16 +114,26 @@ async def serve(cfg: GatewayConfig, reuse_port: bool = False, stop: asyncio.Even
 
     gw = Gateway(cfg, bus=make_bus(cfg))
     app = build_app(gw)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if cfg.log.access_log else None, shutdown_timeout=cfg.server.shutdown_grace)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=log if cfg.log.access_log else None,
+        shutdown_timeout=cfg.server.shutdown_grace,
+    )
     await runner.setup()
-    site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_port=reuse_port or None, backlog=1024)
+    site = web.TCPSite(
+        runner, cfg.server.host, cfg.server.port, reuse_port=reuse_port or None, backlog=1024
+    )
     await site.start()
     done = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, done.set)
-    print(f"kvroute gateway ready on http://{cfg.server.host}:{cfg.server.port} (pid {os.getpid()})", flush=True)
+    print(
+        f"kvroute gateway ready on http://{cfg.server.host}:{cfg.server.port} (pid {os.getpid()})",
+        flush=True,
+    )
     try:
         await done.wait()
     finally:
@@ -137,7 +160,15 @@ def _supervise(cfg: GatewayConfig) -> int:
     argv = cleaned
     if argv and argv[0] == "gateway":
         argv = argv[1:]
-    base = [sys.executable, "-m", "gateway.cli", "gateway", *argv, "--set", f"server.workers={cfg.server.workers}"]
+    base = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "gateway",
+        *argv,
+        "--set",
+        f"server.workers={cfg.server.workers}",
+    ]
     procs: dict[int, subprocess.Popen[bytes]] = {}
     stopping = False
 

@@ -33,35 +33,183 @@ class GatewayMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         pw = ["pool", "worker"]
-        self.requests = Counter("kvroute_requests", "Requests sent to a worker, by routing reason", [*pw, "reason"], registry=r)
-        self.errors = Counter("kvroute_request_errors", "Requests answered with an error, by HTTP status", ["pool", "status", "code"], registry=r)
-        self.prompt_tokens = Counter("kvroute_prompt_tokens", "Prompt tokens routed (gateway tokenization)", pw, registry=r)
-        self.matched_tokens = Counter("kvroute_predicted_matched_tokens", "Prompt tokens the index predicted cached on the chosen worker", pw, registry=r)
-        self.delivered_prompt = Counter("kvroute_delivered_prompt_tokens", "Prompt tokens of responses that reported usage", pw, registry=r)
-        self.delivered_cached = Counter("kvroute_delivered_cached_tokens", "Cached prompt tokens the worker reported in usage", pw, registry=r)
-        self.completion_tokens = Counter("kvroute_completion_tokens", "Completion tokens reported in usage", pw, registry=r)
-        self.ttft = Histogram("kvroute_ttft_seconds", "Time to first token through the gateway", pw, buckets=_LATENCY, registry=r)
-        self.retries = Counter("kvroute_retries", "Requests retried on another worker, by cause", [*pw, "cause"], registry=r)
-        self.stream_errors = Counter("kvroute_stream_errors", "Streams that broke after the first byte", pw, registry=r)
-        self.circuit = Gauge("kvroute_circuit_state", "Circuit state per worker: 0 closed, 1 half-open, 2 open", pw, multiprocess_mode="max", registry=r)
-        self.healthy = Gauge("kvroute_worker_healthy", "1 if the worker may receive requests", pw, multiprocess_mode="min", registry=r)
-        self.index_blocks = Gauge("kvroute_index_blocks", "Canonical blocks the shadow index holds per worker", pw, multiprocess_mode="max", registry=r)
-        self.inflight = Gauge("kvroute_worker_inflight", "Requests in flight per worker (this gateway)", pw, multiprocess_mode="livesum", registry=r)
-        self.kv_usage = Gauge("kvroute_worker_kv_usage", "KV cache usage the worker's engine reported (0..1)", pw, multiprocess_mode="max", registry=r)
-        self.pool_workers = Gauge("kvroute_pool_workers", "Workers registered in the pool", ["pool"], multiprocess_mode="max", registry=r)
-        self.pool_healthy = Gauge("kvroute_pool_healthy_workers", "Workers of the pool that may receive requests", ["pool"], multiprocess_mode="min", registry=r)
-        self.decision = Histogram("kvroute_routing_decision_seconds", "Routing decision time (index lookup + scoring)", ["pool"], buckets=_FAST, registry=r)
-        self.tokenize = Histogram("kvroute_tokenization_seconds", "Tokenization time per request", ["pool", "kind"], buckets=_FAST + (0.25, 1.0), registry=r)
-        self.cost_scale = Gauge("kvroute_cost_model_scale", "Online calibration factor of the TTFT cost model", ["pool"], multiprocess_mode="max", registry=r)
-        self.event_lag = Gauge("kvroute_event_lag_seconds", "Engine event to index lag of the latest applied entry", multiprocess_mode="max", registry=r)
-        self.redis_up = Gauge("kvroute_redis_connected", "1 if the event bus is reachable", multiprocess_mode="min", registry=r)
-        self.resyncs = Gauge("kvroute_index_resyncs", "Worker re-bootstraps from snapshots (gaps, trims)", multiprocess_mode="max", registry=r)
-        self.gaps = Gauge("kvroute_index_gaps", "Stream gaps detected by the consumer", multiprocess_mode="max", registry=r)
-        self.orphans = Gauge("kvroute_index_orphan_stores", "Stores whose parent the worker did not hold", multiprocess_mode="max", registry=r)
-        self.gateway_inflight = Gauge("kvroute_inflight_requests", "Requests in flight upstream", multiprocess_mode="livesum", registry=r)
-        self.queued = Gauge("kvroute_queued_requests", "Requests waiting for a concurrency slot", multiprocess_mode="livesum", registry=r)
-        self.rejected = Counter("kvroute_rejected", "Requests shed by admission control, by cause", ["cause"], registry=r)
-        self.tokenizer_cache_hits = Gauge("kvroute_tokenizer_cache_hit_ratio", "Share of tokens served from the incremental tokenization cache", ["pool"], multiprocess_mode="max", registry=r)
+        self.requests = Counter(
+            "kvroute_requests",
+            "Requests sent to a worker, by routing reason",
+            [*pw, "reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "kvroute_request_errors",
+            "Requests answered with an error, by HTTP status",
+            ["pool", "status", "code"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvroute_prompt_tokens", "Prompt tokens routed (gateway tokenization)", pw, registry=r
+        )
+        self.matched_tokens = Counter(
+            "kvroute_predicted_matched_tokens",
+            "Prompt tokens the index predicted cached on the chosen worker",
+            pw,
+            registry=r,
+        )
+        self.delivered_prompt = Counter(
+            "kvroute_delivered_prompt_tokens",
+            "Prompt tokens of responses that reported usage",
+            pw,
+            registry=r,
+        )
+        self.delivered_cached = Counter(
+            "kvroute_delivered_cached_tokens",
+            "Cached prompt tokens the worker reported in usage",
+            pw,
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "kvroute_completion_tokens", "Completion tokens reported in usage", pw, registry=r
+        )
+        self.ttft = Histogram(
+            "kvroute_ttft_seconds",
+            "Time to first token through the gateway",
+            pw,
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvroute_retries",
+            "Requests retried on another worker, by cause",
+            [*pw, "cause"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "kvroute_stream_errors", "Streams that broke after the first byte", pw, registry=r
+        )
+        self.circuit = Gauge(
+            "kvroute_circuit_state",
+            "Circuit state per worker: 0 closed, 1 half-open, 2 open",
+            pw,
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "kvroute_worker_healthy",
+            "1 if the worker may receive requests",
+            pw,
+            multiprocess_mode="min",
+            registry=r,
+        )
+        self.index_blocks = Gauge(
+            "kvroute_index_blocks",
+            "Canonical blocks the shadow index holds per worker",
+            pw,
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "kvroute_worker_inflight",
+            "Requests in flight per worker (this gateway)",
+            pw,
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "kvroute_worker_kv_usage",
+            "KV cache usage the worker's engine reported (0..1)",
+            pw,
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.pool_workers = Gauge(
+            "kvroute_pool_workers",
+            "Workers registered in the pool",
+            ["pool"],
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.pool_healthy = Gauge(
+            "kvroute_pool_healthy_workers",
+            "Workers of the pool that may receive requests",
+            ["pool"],
+            multiprocess_mode="min",
+            registry=r,
+        )
+        self.decision = Histogram(
+            "kvroute_routing_decision_seconds",
+            "Routing decision time (index lookup + scoring)",
+            ["pool"],
+            buckets=_FAST,
+            registry=r,
+        )
+        self.tokenize = Histogram(
+            "kvroute_tokenization_seconds",
+            "Tokenization time per request",
+            ["pool", "kind"],
+            buckets=(*_FAST, 0.25, 1.0),
+            registry=r,
+        )
+        self.cost_scale = Gauge(
+            "kvroute_cost_model_scale",
+            "Online calibration factor of the TTFT cost model",
+            ["pool"],
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.event_lag = Gauge(
+            "kvroute_event_lag_seconds",
+            "Engine event to index lag of the latest applied entry",
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.redis_up = Gauge(
+            "kvroute_redis_connected",
+            "1 if the event bus is reachable",
+            multiprocess_mode="min",
+            registry=r,
+        )
+        self.resyncs = Gauge(
+            "kvroute_index_resyncs",
+            "Worker re-bootstraps from snapshots (gaps, trims)",
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.gaps = Gauge(
+            "kvroute_index_gaps",
+            "Stream gaps detected by the consumer",
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.orphans = Gauge(
+            "kvroute_index_orphan_stores",
+            "Stores whose parent the worker did not hold",
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.gateway_inflight = Gauge(
+            "kvroute_inflight_requests",
+            "Requests in flight upstream",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.queued = Gauge(
+            "kvroute_queued_requests",
+            "Requests waiting for a concurrency slot",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvroute_rejected",
+            "Requests shed by admission control, by cause",
+            ["cause"],
+            registry=r,
+        )
+        self.tokenizer_cache_hits = Gauge(
+            "kvroute_tokenizer_cache_hit_ratio",
+            "Share of tokens served from the incremental tokenization cache",
+            ["pool"],
+            multiprocess_mode="max",
+            registry=r,
+        )
 
     def names(self) -> set[str]:
         """Every exported metric name (as Prometheus sees it, with _total, _bucket...)."""

@@ -88,7 +88,11 @@ class Pool:
                 # vLLM completions and SGLang /generate both encode text with special tokens
                 ids = await tok.aencode(req.prompt_text, add_special_tokens=True)
         except TokenizationError as exc:
-            raise bad_request(str(exc), param="messages" if req.kind == "chat" else "prompt", code="invalid_prompt") from None
+            raise bad_request(
+                str(exc),
+                param="messages" if req.kind == "chat" else "prompt",
+                code="invalid_prompt",
+            ) from None
         except UnicodeError as exc:
             raise bad_request(f"prompt is not valid text: {exc}", code="invalid_prompt") from None
         t1 = time.perf_counter()

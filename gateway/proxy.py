@@ -33,7 +33,7 @@ from gateway.policy import Decision
 from gateway.pool import Pool, Prepared
 from gateway.registry import Registry
 from gateway.requests import ClientRequest
-from gateway.router import NoCandidates, Ticket
+from gateway.router import NoCandidates
 
 __all__ = ["REQUEST_ID", "Proxy", "Usage", "parse_usage"]
 
@@ -67,7 +67,12 @@ def parse_usage(obj: Any) -> Usage | None:
         parts = [u for u in map(parse_usage, obj) if u is not None]
         if not parts:
             return None
-        return Usage(*(sum(getattr(u, f) for u in parts) for f in ("prompt_tokens", "cached_tokens", "completion_tokens")))
+        return Usage(
+            *(
+                sum(getattr(u, f) for u in parts)
+                for f in ("prompt_tokens", "cached_tokens", "completion_tokens")
+            )
+        )
     if not isinstance(obj, dict):
         return None
     u = obj.get("usage")
@@ -77,7 +82,11 @@ def parse_usage(obj: Any) -> Usage | None:
         return Usage(_int(u.get("prompt_tokens")), _int(cached), _int(u.get("completion_tokens")))
     m = obj.get("meta_info")
     if isinstance(m, dict):
-        return Usage(_int(m.get("prompt_tokens")), _int(m.get("cached_tokens")), _int(m.get("completion_tokens")))
+        return Usage(
+            _int(m.get("prompt_tokens")),
+            _int(m.get("cached_tokens")),
+            _int(m.get("completion_tokens")),
+        )
     return None
 
 
@@ -165,20 +174,36 @@ class Proxy:
             exclude = self.registry.exclude(pool, now, tried)
             t0 = time.perf_counter()
             try:
-                decision = pool.router.route(prep.keys, prep.prompt_tokens, now, session_key=session_key, exclude=exclude)
+                decision = pool.router.route(
+                    prep.keys, prep.prompt_tokens, now, session_key=session_key, exclude=exclude
+                )
             except NoCandidates:
                 break
             self.metrics.decision.labels(pool.name).observe(time.perf_counter() - t0)
             try:
-                return await self._attempt(request, creq, pool, prep, path, body, headers, decision, inject_usage)
+                return await self._attempt(
+                    request, creq, pool, prep, path, body, headers, decision, inject_usage
+                )
             except _Retry as exc:
                 last = exc
                 tried.add(decision.worker)
                 self.metrics.retries.labels(pool.name, decision.worker, exc.cause).inc()
                 log.info("retrying request away from %s: %s", decision.worker, exc)
         if last is not None:
-            raise ApiError(502, f"no worker could serve the request (last error: {last})", "upstream_error", code="upstream_failed", headers={"Retry-After": "1"})
-        raise ApiError(503, f"no healthy worker in pool {pool.name!r}", "service_unavailable", code="no_healthy_worker", headers={"Retry-After": "1"})
+            raise ApiError(
+                502,
+                f"no worker could serve the request (last error: {last})",
+                "upstream_error",
+                code="upstream_failed",
+                headers={"Retry-After": "1"},
+            )
+        raise ApiError(
+            503,
+            f"no healthy worker in pool {pool.name!r}",
+            "service_unavailable",
+            code="no_healthy_worker",
+            headers={"Retry-After": "1"},
+        )
 
     async def _attempt(
         self,
@@ -209,10 +234,16 @@ class Proxy:
                     resp = await self.session.post(entry.url + path, data=body, headers=headers)
             except TimeoutError:
                 self.registry.on_failure(wid, self.clock(), fatal=False)
-                raise _Retry("first_byte_timeout", False, f"{wid} sent nothing for {self.settings.first_byte_timeout:g}s") from None
+                raise _Retry(
+                    "first_byte_timeout",
+                    False,
+                    f"{wid} sent nothing for {self.settings.first_byte_timeout:g}s",
+                ) from None
             except aiohttp.ClientConnectorError as exc:
                 self.registry.on_failure(wid, self.clock(), fatal=True)
-                raise _Retry("connect", True, f"cannot connect to {wid}: {exc.strerror or exc}") from None
+                raise _Retry(
+                    "connect", True, f"cannot connect to {wid}: {exc.strerror or exc}"
+                ) from None
             except (aiohttp.ClientError, OSError) as exc:
                 self.registry.on_failure(wid, self.clock(), fatal=False)
                 raise _Retry("send", False, f"{wid} failed before answering: {exc!r}") from None
@@ -232,14 +263,14 @@ class Proxy:
                 m.matched_tokens.labels(pool.name, wid).inc(decision.matched_tokens)
                 if resp.status >= 400:
                     return await self._error_response(resp, first, wid)
-                out = self._client_response(resp, decision, request)
-                if creq.stream:
+                headers = self._client_headers(resp, decision, request)
+                if creq.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
+                    out = _SseResponse(status=resp.status, headers={**headers, "cache-control": "no-cache"})
                     return await self._stream(request, resp, out, first, pool, wid, inject_usage)
                 data = first + await self._rest(resp, wid)
                 self._count_usage(pool, wid, _json(data))
                 self.registry.on_success(wid)
-                out.body = data
-                return out
+                return web.Response(status=resp.status, headers=headers, body=data)
         finally:
             router.finished(ticket, self.clock())
             m.inflight.labels(pool.name, wid).dec()
@@ -252,7 +283,11 @@ class Proxy:
                 first = await resp.content.readany()
         except TimeoutError:
             self.registry.on_failure(wid, self.clock(), fatal=False)
-            raise _Retry("first_byte_timeout", False, f"{wid} sent nothing for {self.settings.first_byte_timeout:g}s") from None
+            raise _Retry(
+                "first_byte_timeout",
+                False,
+                f"{wid} sent nothing for {self.settings.first_byte_timeout:g}s",
+            ) from None
         except (aiohttp.ClientError, OSError) as exc:
             self.registry.on_failure(wid, self.clock(), fatal=False)
             raise _Retry("broken", False, f"{wid} broke before the first byte: {exc!r}") from None
@@ -262,28 +297,41 @@ class Proxy:
         return first
 
     async def _rest(self, resp: aiohttp.ClientResponse, wid: str) -> bytes:
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             try:
                 async with asyncio.timeout(self.settings.idle_timeout):
                     chunk = await resp.content.readany()
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 self.registry.on_failure(wid, self.clock(), fatal=False)
-                raise ApiError(502, f"worker {wid} failed while answering: {exc!r}", "upstream_error", code="upstream_broken") from None
+                raise ApiError(
+                    502,
+                    f"worker {wid} failed while answering: {exc!r}",
+                    "upstream_error",
+                    code="upstream_broken",
+                ) from None
             if not chunk:
                 return b"".join(chunks)
             chunks.append(chunk)
 
-    async def _error_response(self, resp: aiohttp.ClientResponse, first: bytes, wid: str) -> web.Response:
+    async def _error_response(
+        self, resp: aiohttp.ClientResponse, first: bytes, wid: str
+    ) -> web.Response:
         data = first + await self._rest(resp, wid)
         if resp.status < 500:
             self.registry.on_success(wid)  # the worker is fine; the request was not
             return web.Response(status=resp.status, body=data, content_type="application/json")
         self.registry.on_failure(wid, self.clock(), fatal=False)
         detail = data[:500].decode("utf-8", "replace")
-        raise ApiError(502, f"worker {wid} failed with {resp.status}: {detail}", "upstream_error", code="upstream_error")
+        raise ApiError(
+            502,
+            f"worker {wid} failed with {resp.status}: {detail}",
+            "upstream_error",
+            code="upstream_error",
+        )
 
-    def _client_response(self, resp: aiohttp.ClientResponse, decision: Decision, request: web.Request) -> web.StreamResponse | web.Response:
+    def _client_headers(self, resp: aiohttp.ClientResponse, decision: Decision, request: web.Request) -> dict[str, str]:
+        """The worker's response headers minus hop-by-hop ones, plus the routing headers."""
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP and not k.lower().startswith("x-kvroute-")}
         headers["x-kvroute-worker"] = decision.worker
         headers["x-kvroute-matched-tokens"] = str(decision.matched_tokens)
@@ -291,10 +339,7 @@ class Proxy:
         if decision.predicted_ttft_ms is not None:
             headers["x-kvroute-predicted-ttft-ms"] = f"{decision.predicted_ttft_ms:.1f}"
         headers["x-request-id"] = request[REQUEST_ID]
-        if resp.headers.get("content-type", "").startswith("text/event-stream"):
-            headers["cache-control"] = "no-cache"
-            return _SseResponse(status=resp.status, headers=headers)
-        return web.Response(status=resp.status, headers=headers)
+        return headers
 
     async def _stream(
         self,
@@ -407,7 +452,16 @@ class _SseFilter:
 
 
 async def _end_with_error(out: web.StreamResponse, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "upstream_error", "param": None, "code": "stream_broken"}})
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "upstream_error",
+                "param": None,
+                "code": "stream_broken",
+            }
+        }
+    )
     with contextlib.suppress(ConnectionError, RuntimeError):
         await out.write(f"data: {body}\n\ndata: [DONE]\n\n".encode())
         await out.write_eof()

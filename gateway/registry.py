@@ -69,9 +69,7 @@ def check_upstream_url(url: str, allowed: list[str]) -> str | None:
                     return None
             except ValueError:
                 continue
-        elif rule.startswith("*.") and host.endswith(rule[1:]):
-            return None
-        elif host == rule:
+        elif (rule.startswith("*.") and host.endswith(rule[1:])) or host == rule:
             return None
     return f"host {host!r} is not in security.allowed_upstreams"
 
@@ -147,7 +145,9 @@ class Registry:
     def _pool_of(self, info: WorkerInfo) -> Pool | None:
         return self._by_model.get(info.pool) or self._by_model.get(info.model)
 
-    def _add(self, wid: str, url: str, pool: Pool, static: bool = False, info: WorkerInfo | None = None) -> None:
+    def _add(
+        self, wid: str, url: str, pool: Pool, static: bool = False, info: WorkerInfo | None = None
+    ) -> None:
         c = self.circuit_settings
         self.workers[wid] = WorkerEntry(
             wid,

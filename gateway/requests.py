@@ -62,17 +62,25 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise bad_request(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}", code="invalid_utf8") from None
+        raise bad_request(
+            f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}",
+            code="invalid_utf8",
+        ) from None
     if not text.strip():
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     try:
         body = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})", code="invalid_json") from None
+        raise bad_request(
+            f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})",
+            code="invalid_json",
+        ) from None
     except RecursionError:
         raise bad_request("request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise bad_request(f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+        raise bad_request(
+            f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
+        )
     return body
 
 
@@ -81,9 +89,13 @@ def _opt(body: dict[str, Any], name: str, types: type | tuple[type, ...], what: 
     if value is None:
         return None
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise bad_request(f"'{name}' must be {what}, got a boolean", param=name, code="invalid_type")
+        raise bad_request(
+            f"'{name}' must be {what}, got a boolean", param=name, code="invalid_type"
+        )
     if not isinstance(value, types):
-        raise bad_request(f"'{name}' must be {what}, got {type(value).__name__}", param=name, code="invalid_type")
+        raise bad_request(
+            f"'{name}' must be {what}, got {type(value).__name__}", param=name, code="invalid_type"
+        )
     return value
 
 
@@ -93,13 +105,19 @@ def _common(body: dict[str, Any], kind: Kind, raw: bytes) -> ClientRequest:
     opts = _opt(body, "stream_options", dict, "an object") or {}
     include_usage = opts.get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise bad_request("'stream_options.include_usage' must be a boolean", param="stream_options", code="invalid_type")
+        raise bad_request(
+            "'stream_options.include_usage' must be a boolean",
+            param="stream_options",
+            code="invalid_type",
+        )
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens"):
         v = _opt(body, name, int, "an integer")
         if v is not None:
             if v < 0:
-                raise bad_request(f"'{name}' must be >= 0, got {v}", param=name, code="invalid_value")
+                raise bad_request(
+                    f"'{name}' must be >= 0, got {v}", param=name, code="invalid_value"
+                )
             max_tokens = v
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         _opt(body, name, (int, float), "a number")
@@ -116,7 +134,9 @@ def _chat(body: dict[str, Any], raw: bytes) -> ClientRequest:
     if messages is None:
         raise bad_request("'messages' is required", param="messages", code="missing_field")
     if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty array", param="messages", code="invalid_type")
+        raise bad_request(
+            "'messages' must be a non-empty array", param="messages", code="invalid_type"
+        )
     req.messages = messages
     req.tools = _opt(body, "tools", list, "an array")
     agp = _opt(body, "add_generation_prompt", bool, "a boolean")
@@ -131,7 +151,11 @@ def _chat(body: dict[str, Any], raw: bytes) -> ClientRequest:
 def _token_ids(value: list[Any], param: str) -> list[int]:
     for t in value:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise bad_request(f"'{param}' token ids must be non-negative integers", param=param, code="invalid_type")
+            raise bad_request(
+                f"'{param}' token ids must be non-negative integers",
+                param=param,
+                code="invalid_type",
+            )
     return value
 
 
@@ -148,12 +172,18 @@ def _generate(body: dict[str, Any], raw: bytes) -> ClientRequest:
     req = _common(body, "generate", raw)
     text, ids = body.get("text"), body.get("input_ids")
     if text is None and ids is None:
-        raise bad_request("one of 'text' or 'input_ids' is required", param="text", code="missing_field")
+        raise bad_request(
+            "one of 'text' or 'input_ids' is required", param="text", code="missing_field"
+        )
     _route_prompt(req, ids if ids is not None else text, "input_ids" if ids is not None else "text")
     params = _opt(body, "sampling_params", dict, "an object") or {}
     mnt = params.get("max_new_tokens")
     if mnt is not None and (isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 0):
-        raise bad_request("'sampling_params.max_new_tokens' must be a non-negative integer", param="sampling_params", code="invalid_type")
+        raise bad_request(
+            "'sampling_params.max_new_tokens' must be a non-negative integer",
+            param="sampling_params",
+            code="invalid_type",
+        )
     req.max_tokens = mnt if mnt is not None else req.max_tokens
     return req
 
@@ -164,16 +194,26 @@ def _route_prompt(req: ClientRequest, prompt: Any, param: str) -> None:
         req.prompt_text = prompt
         return
     if not isinstance(prompt, list) or not prompt:
-        raise bad_request(f"'{param}' must be a string, an array of token ids, or a non-empty array of those", param=param, code="invalid_type")
+        raise bad_request(
+            f"'{param}' must be a string, an array of token ids, or a non-empty array of those",
+            param=param,
+            code="invalid_type",
+        )
     first = prompt[0]
     if isinstance(first, str):
         if not all(isinstance(p, str) for p in prompt):
-            raise bad_request(f"'{param}' batch must hold only strings", param=param, code="invalid_type")
+            raise bad_request(
+                f"'{param}' batch must hold only strings", param=param, code="invalid_type"
+            )
         req.prompt_text = first
     elif isinstance(first, list):
         for p in prompt:
             if not isinstance(p, list) or not p:
-                raise bad_request(f"'{param}' batch must hold non-empty arrays of token ids", param=param, code="invalid_type")
+                raise bad_request(
+                    f"'{param}' batch must hold non-empty arrays of token ids",
+                    param=param,
+                    code="invalid_type",
+                )
             _token_ids(p, param)
         req.prompt_ids = first
     else:

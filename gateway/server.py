@@ -75,16 +75,28 @@ class Gateway:
         cfg.validate()
         self.index = ShadowIndex(speculative_ttl=cfg.index.speculative_ttl)
         self.pools = [
-            Pool(p, self.index, cfg.index.hash_seed, rng=self.rng, tokenizer=self.tokenizers.get(p.model))
+            Pool(
+                p,
+                self.index,
+                cfg.index.hash_seed,
+                rng=self.rng,
+                tokenizer=self.tokenizers.get(p.model),
+            )
             for p in cfg.pools
         ]
         self.registry = Registry(self.pools, cfg.circuit, cfg.security.allowed_upstreams)
         self.registry.add_static()
         self.proxy = Proxy(cfg.proxy, self.registry, self.metrics)
-        self.admission = Admission(cfg.limits.max_concurrency, cfg.limits.queue_size, cfg.limits.queue_timeout)
+        self.admission = Admission(
+            cfg.limits.max_concurrency, cfg.limits.queue_size, cfg.limits.queue_timeout
+        )
         self.consumer = Consumer(self.bus, self.index) if self.bus is not None else None
         self._clients = {
-            k.key: _Client(k, TokenBucket(k.requests_per_s, max(1.0, 2 * k.requests_per_s)), TokenBucket(k.tokens_per_s, 2 * k.tokens_per_s))
+            k.key: _Client(
+                k,
+                TokenBucket(k.requests_per_s, max(1.0, 2 * k.requests_per_s)),
+                TokenBucket(k.tokens_per_s, 2 * k.tokens_per_s),
+            )
             for k in cfg.auth.api_keys
         }
         self._tasks: list[asyncio.Task[None]] = []
@@ -181,7 +193,9 @@ class Gateway:
         for p in self.pools:
             members = [w for w, e in self.registry.workers.items() if e.pool is p]
             m.pool_workers.labels(p.name).set(len(members))
-            m.pool_healthy.labels(p.name).set(sum(1 for w in members if self.registry.healthy(w, now)))
+            m.pool_healthy.labels(p.name).set(
+                sum(1 for w in members if self.registry.healthy(w, now))
+            )
             m.cost_scale.labels(p.name).set(p.router.ctx.cost.scale)
             st = p.tokenizer.stats
             total = st.token_hits + st.token_misses
@@ -214,21 +228,36 @@ class Gateway:
         for key, client in self._clients.items():
             if token is not None and hmac.compare_digest(token.encode(), key.encode()):
                 return client
-        raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error", code="invalid_api_key")
+        raise ApiError(
+            401,
+            "invalid or missing API key (Authorization: Bearer <key>)",
+            "authentication_error",
+            code="invalid_api_key",
+        )
 
     def authorize_admin(self, request: web.Request) -> None:
         key = self.config.auth.admin_key
         if not key:
-            raise ApiError(404, "admin endpoints are disabled (auth.admin_key is not set)", code="not_found")
+            raise ApiError(
+                404, "admin endpoints are disabled (auth.admin_key is not set)", code="not_found"
+            )
         token = _bearer(request)
         if token is None or not hmac.compare_digest(token.encode(), key.encode()):
-            raise ApiError(401, "invalid or missing admin key", "authentication_error", code="invalid_admin_key")
+            raise ApiError(
+                401,
+                "invalid or missing admin key",
+                "authentication_error",
+                code="invalid_admin_key",
+            )
 
     def rate_limit(self, client: _Client | None, tokens: int) -> None:
         if client is None:
             return
         now = self.clock()
-        for bucket, amount, what in ((client.requests, 1.0, "requests"), (client.tokens, float(tokens), "tokens")):
+        for bucket, amount, what in (
+            (client.requests, 1.0, "requests"),
+            (client.tokens, float(tokens), "tokens"),
+        ):
             wait = bucket.take(amount, now)
             if wait > 0:
                 self.metrics.rejected.labels("rate_limit").inc()
@@ -249,15 +278,31 @@ class Gateway:
         pool = self.registry.pool_for(creq.model)
         if pool is None:
             if creq.model is None:
-                raise ApiError(400, "'model' is required (this gateway serves several models)", param="model", code="missing_field")
-            raise ApiError(404, f"The model `{creq.model}` does not exist.", "NotFoundError", param="model", code="model_not_found")
+                raise ApiError(
+                    400,
+                    "'model' is required (this gateway serves several models)",
+                    param="model",
+                    code="missing_field",
+                )
+            raise ApiError(
+                404,
+                f"The model `{creq.model}` does not exist.",
+                "NotFoundError",
+                param="model",
+                code="model_not_found",
+            )
         request[POOL] = pool.name
         prep = await pool.prepare(creq)
         m = self.metrics
         m.tokenize.labels(pool.name, kind).observe(prep.tokenize_s + prep.keys_s)
         self.rate_limit(client, prep.prompt_tokens + (creq.max_tokens or 0))
         if self.config.log.log_prompts:
-            log.info("request %s pool=%s prompt=%r", request[REQUEST_ID], pool.name, creq.messages or creq.prompt_text)
+            log.info(
+                "request %s pool=%s prompt=%r",
+                request[REQUEST_ID],
+                pool.name,
+                creq.messages or creq.prompt_text,
+            )
         priority = client.key.priority if client else 0
         try:
             await self.admission.acquire(priority)
@@ -265,7 +310,9 @@ class Gateway:
             m.rejected.labels(exc.code or "admission").inc()
             raise
         try:
-            return await self.proxy.forward(request, creq, pool, prep, path, self._session_key(request, creq))
+            return await self.proxy.forward(
+                request, creq, pool, prep, path, self._session_key(request, creq)
+            )
         finally:
             self.admission.release()
 
@@ -283,7 +330,10 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         self.authenticate(request)
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvroute"} for name in self.registry.models()]
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvroute"}
+            for name in self.registry.models()
+        ]
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -291,11 +341,15 @@ class Gateway:
 
     async def readiness(self, request: web.Request) -> web.Response:
         ok, why = self.ready()
-        return web.json_response({"status": "ready" if ok else "not ready", "detail": why}, status=200 if ok else 503)
+        return web.json_response(
+            {"status": "ready" if ok else "not ready", "detail": why}, status=200 if ok else 503
+        )
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         self._update_gauges(self.clock())
-        return web.Response(body=self.metrics.exposition(), content_type="text/plain", charset="utf-8")
+        return web.Response(
+            body=self.metrics.exposition(), content_type="text/plain", charset="utf-8"
+        )
 
     async def debug_route(self, request: web.Request) -> web.Response:
         """Dry-run a request: the routing decision with its full explanation."""
@@ -305,12 +359,26 @@ class Gateway:
         creq = parse_body(raw, peek)
         pool = self.registry.pool_for(creq.model)
         if pool is None:
-            raise ApiError(404, f"The model `{creq.model}` does not exist.", "NotFoundError", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{creq.model}` does not exist.",
+                "NotFoundError",
+                param="model",
+                code="model_not_found",
+            )
         prep = await pool.prepare(creq)
         now = self.clock()
         excluded = self.registry.exclude(pool, now)
         t0 = time.perf_counter()
-        d = pool.router.route(prep.keys, prep.prompt_tokens, now, session_key=self._session_key(request, creq), exclude=excluded, dry_run=True, explain=True)
+        d = pool.router.route(
+            prep.keys,
+            prep.prompt_tokens,
+            now,
+            session_key=self._session_key(request, creq),
+            exclude=excluded,
+            dry_run=True,
+            explain=True,
+        )
         decision_us = (time.perf_counter() - t0) * 1e6
         return web.json_response(
             {
@@ -327,7 +395,12 @@ class Gateway:
                 "decision_us": round(decision_us, 1),
                 "candidates": sorted(
                     (
-                        {"worker": c.worker, "matched_tokens": c.matched_tokens, "predicted_ttft_ms": c.predicted_ttft_ms, "score": c.score}
+                        {
+                            "worker": c.worker,
+                            "matched_tokens": c.matched_tokens,
+                            "predicted_ttft_ms": c.predicted_ttft_ms,
+                            "score": c.score,
+                        }
                         for c in d.candidates
                     ),
                     key=lambda c: (c["score"] is None, c["score"] or 0.0, c["worker"]),
@@ -367,8 +440,19 @@ class Gateway:
                     "probe_ok": e.probe_ok,
                     "circuit": e.circuit.state.name.lower(),
                     "inflight": loads.inflight(wid),
-                    "load": {"queued_prefill_tokens": v.queued_prefill_tokens, "running": v.running, "kv_usage": v.kv_usage},
-                    "engine_report": None if rep is None else {"running": rep.running, "waiting": rep.waiting, "kv_usage": rep.kv_usage, "ts": rep.ts},
+                    "load": {
+                        "queued_prefill_tokens": v.queued_prefill_tokens,
+                        "running": v.running,
+                        "kv_usage": v.kv_usage,
+                    },
+                    "engine_report": None
+                    if rep is None
+                    else {
+                        "running": rep.running,
+                        "waiting": rep.waiting,
+                        "kv_usage": rep.kv_usage,
+                        "ts": rep.ts,
+                    },
                     "index_blocks": counts.get(wid, 0),
                     "engine": e.info.engine if e.info else None,
                     "epoch": e.info.epoch if e.info else None,
@@ -392,7 +476,7 @@ def _bearer(request: web.Request) -> str | None:
 def _peek_kind(raw: bytes) -> Kind:
     if b'"messages"' in raw:
         return "chat"
-    if b'"input_ids"' in raw or b'"text"' in raw and b'"prompt"' not in raw:
+    if b'"input_ids"' in raw or (b'"text"' in raw and b'"prompt"' not in raw):
         return "generate"
     return "completion"
 
@@ -441,19 +525,36 @@ def _middleware(gw: Gateway) -> Any:
         except ApiError as exc:
             gw.metrics.errors.labels(request[POOL], str(exc.status), exc.code or "").inc()
             headers = {"x-request-id": request[REQUEST_ID], **(exc.headers or {})}
-            return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
+            return web.Response(
+                status=exc.status, body=exc.body(), content_type="application/json", headers=headers
+            )
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status, "http_error")
-            msg = exc.reason if exc.status != 413 else f"request body is larger than {gw.config.server.max_body_bytes} bytes"
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+                exc.status, "http_error"
+            )
+            msg = (
+                exc.reason
+                if exc.status != 413
+                else f"request body is larger than {gw.config.server.max_body_bytes} bytes"
+            )
             gw.metrics.errors.labels(request[POOL], str(exc.status), code).inc()
-            return web.Response(status=exc.status, body=error_body(msg, "invalid_request_error", None, code), content_type="application/json", headers={"x-request-id": request[REQUEST_ID]})
+            return web.Response(
+                status=exc.status,
+                body=error_body(msg, "invalid_request_error", None, code),
+                content_type="application/json",
+                headers={"x-request-id": request[REQUEST_ID]},
+            )
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
             log.exception("internal error on %s %s", request.method, request.path)
             gw.metrics.errors.labels(request[POOL], "500", "internal_error").inc()
-            return web.Response(status=500, body=error_body("internal gateway error", "internal_error", None, "internal_error"), content_type="application/json")
+            return web.Response(
+                status=500,
+                body=error_body("internal gateway error", "internal_error", None, "internal_error"),
+                content_type="application/json",
+            )
 
     return middleware

@@ -26,7 +26,11 @@ __all__ = ["add_arguments", "preset_path", "presets", "run"]
 
 
 def presets() -> list[str]:
-    return sorted(p.name.removesuffix(".yaml") for p in resources.files("loadtest").joinpath("presets").iterdir() if p.name.endswith(".yaml"))
+    return sorted(
+        p.name.removesuffix(".yaml")
+        for p in resources.files("loadtest").joinpath("presets").iterdir()
+        if p.name.endswith(".yaml")
+    )
 
 
 def preset_path(name: str) -> Path:
@@ -43,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--model", required=True)
     r.add_argument("--workload", default="chat", help="chat, agent, shared_prefix, trace")
     r.add_argument("--set", action="append", metavar="PARAM=VALUE", help="workload parameter")
-    r.add_argument("--rate", type=float, default=0.0, help="requests/s (0: the workload's own timing)")
+    r.add_argument(
+        "--rate", type=float, default=0.0, help="requests/s (0: the workload's own timing)"
+    )
     r.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     r.add_argument("--max-requests", type=int)
     r.add_argument("--mode", default="chat", choices=["chat", "completion", "completion_ids"])
@@ -57,8 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--workload", help="chat, agent, shared_prefix")
     c.add_argument("--loads", help="offered loads as fractions of capacity, e.g. 0.3,0.6,0.8,0.95")
     c.add_argument("--rates", help="alias of --loads")
-    c.add_argument("--capacity", type=float, help="requests/s at load 1.0 (default: estimated offline)")
-    c.add_argument("--systems", help="comma-separated, e.g. kvroute,kvroute-round_robin,sglang-cache_aware")
+    c.add_argument(
+        "--capacity", type=float, help="requests/s at load 1.0 (default: estimated offline)"
+    )
+    c.add_argument(
+        "--systems", help="comma-separated, e.g. kvroute,kvroute-round_robin,sglang-cache_aware"
+    )
     c.add_argument("--workers", type=int)
     c.add_argument("--duration", type=float, help="measured seconds per run")
     c.add_argument("--out-dir", help="where JSON, markdown and plots go")
@@ -85,7 +95,16 @@ def _run(args: argparse.Namespace) -> int:
     if workload.prompt_kind == "ids" and args.mode != "completion_ids":
         args.mode = "completion_ids"
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    cfg = DriverConfig(args.url.rstrip("/"), args.model, args.mode, args.max_requests, args.duration, slo_ttft_ms=args.slo_ms, headers=headers, progress=not args.json)
+    cfg = DriverConfig(
+        args.url.rstrip("/"),
+        args.model,
+        args.mode,
+        args.max_requests,
+        args.duration,
+        slo_ttft_ms=args.slo_ms,
+        headers=headers,
+        progress=not args.json,
+    )
     result = asyncio.run(run_load(items, cfg))
     out = {"workload": workload.describe(), **result.to_json()}
     text = json.dumps(out, indent=2, default=str)
@@ -94,7 +113,22 @@ def _run(args: argparse.Namespace) -> int:
     print(text)
     if not args.json:
         s = result.summary
-        rows = [{k: s[k] for k in ("requests", "failed", "throughput_rps", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "hit_rate", "goodput", "max_mean_requests")}]
+        rows = [
+            {
+                k: s[k]
+                for k in (
+                    "requests",
+                    "failed",
+                    "throughput_rps",
+                    "ttft_p50_ms",
+                    "ttft_p99_ms",
+                    "itl_p50_ms",
+                    "hit_rate",
+                    "goodput",
+                    "max_mean_requests",
+                )
+            }
+        ]
         print(format_table(rows))
     return 0 if result.summary["failed"] == 0 else 1
 
@@ -128,7 +162,13 @@ def _compare(args: argparse.Namespace) -> int:
             cfg.capacity_rps = est["capacity_rps"]
         bound = est["bound_hit_rate"]
     report = run_compare(cfg, bound_hit_rate=bound)
-    slim = {**report, "results": [{k: v for k, v in r.items() if k not in ("ttfts_ms", "per_worker")} for r in report["results"]]}
+    slim = {
+        **report,
+        "results": [
+            {k: v for k, v in r.items() if k not in ("ttfts_ms", "per_worker")}
+            for r in report["results"]
+        ],
+    }
     print(json.dumps(slim, indent=2, default=str))
     if not args.json:
         print(Path(cfg.out_dir, "compare.md").read_text())

@@ -28,9 +28,19 @@ from loadtest.report import format_table
 from loadtest.stack import Stack, StackConfig
 from loadtest.workloads import WorkItem, make_workload
 
-__all__ = ["CompareConfig", "SYSTEMS", "run_compare", "scrape_workers"]
+__all__ = ["SYSTEMS", "CompareConfig", "run_compare", "scrape_workers"]
 
-SYSTEMS = ("kvroute", "kvroute-round_robin", "kvroute-least_load", "kvroute-prefix", "kvroute-session", "kvroute-random", "sglang-cache_aware", "sglang-round_robin", "sglang-power_of_two")
+SYSTEMS = (
+    "kvroute",
+    "kvroute-round_robin",
+    "kvroute-least_load",
+    "kvroute-prefix",
+    "kvroute-session",
+    "kvroute-random",
+    "sglang-cache_aware",
+    "sglang-round_robin",
+    "sglang-power_of_two",
+)
 
 
 @dataclass
@@ -40,7 +50,14 @@ class CompareConfig:
     loads: list[float] = field(default_factory=lambda: [0.3, 0.6, 0.8, 0.95])
     #: requests/s the cluster sustains on this workload (load 1.0); 0: estimate offline
     capacity_rps: float = 0.0
-    systems: list[str] = field(default_factory=lambda: ["kvroute", "kvroute-round_robin", "sglang-cache_aware", "sglang-round_robin"])
+    systems: list[str] = field(
+        default_factory=lambda: [
+            "kvroute",
+            "kvroute-round_robin",
+            "sglang-cache_aware",
+            "sglang-round_robin",
+        ]
+    )
     workers: int = 8
     kv_blocks: int = 4096
     block_size: int = 16
@@ -65,8 +82,12 @@ def scrape_workers(urls: list[str]) -> dict[str, dict[str, float]]:
             text = resp.read().decode()
         out[f"worker-{i}"] = {
             "requests": _metric(text, ("vllm:request_success_total", "sglang:num_requests_total")),
-            "prompt_tokens": _metric(text, ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total")),
-            "cached_tokens": _metric(text, ("vllm:prefix_cache_hits_total", "sglang:cached_tokens_total")),
+            "prompt_tokens": _metric(
+                text, ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total")
+            ),
+            "cached_tokens": _metric(
+                text, ("vllm:prefix_cache_hits_total", "sglang:cached_tokens_total")
+            ),
         }
     return out
 
@@ -81,12 +102,16 @@ def _metric(text: str, names: tuple[str, ...]) -> float:
     return total
 
 
-def _delta(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+def _delta(
+    after: dict[str, dict[str, float]], before: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
     out = {}
     for w, a in after.items():
         b = before.get(w, {})
         d = {k: a[k] - b.get(k, 0.0) for k in a}
-        d["hit_rate"] = round(d["cached_tokens"] / d["prompt_tokens"], 4) if d["prompt_tokens"] else 0.0
+        d["hit_rate"] = (
+            round(d["cached_tokens"] / d["prompt_tokens"], 4) if d["prompt_tokens"] else 0.0
+        )
         out[w] = d
     return out
 
@@ -97,7 +122,9 @@ def run_compare(cfg: CompareConfig, bound_hit_rate: float | None = None) -> dict
     out.mkdir(parents=True, exist_ok=True)
     workload = make_workload(cfg.workload, seed=cfg.seed, **cfg.params)
     if not cfg.capacity_rps:
-        raise ValueError("capacity_rps is required (estimate it with `kvroute simulate --capacity`)")
+        raise ValueError(
+            "capacity_rps is required (estimate it with `kvroute simulate --capacity`)"
+        )
     base_items = list(workload.items())
     stack_cfg = StackConfig(
         workers=cfg.workers,
@@ -118,7 +145,7 @@ def run_compare(cfg: CompareConfig, bound_hit_rate: float | None = None) -> dict
                 res.update({"system": system, "load": load, "rate": round(rate, 3)})
                 results.append(res)
                 print(_row_line(res), flush=True)
-    report = {
+    report: dict[str, Any] = {
         "workload": workload.describe(),
         "bound_hit_rate": bound_hit_rate,
         "capacity_rps": cfg.capacity_rps,
@@ -159,7 +186,11 @@ def _window(items: list[WorkItem], rate: float, duration: float) -> tuple[list[W
     factor = steady / rate
     spans = sorted(last[s] - first[s] for s in first)
     warmup = spans[len(spans) // 2] * factor
-    out = [WorkItem(it.index, it.at * factor, it.session, it.segments, it.max_tokens) for it in items if it.at * factor <= warmup + duration]
+    out = [
+        WorkItem(it.index, it.at * factor, it.session, it.segments, it.max_tokens)
+        for it in items
+        if it.at * factor <= warmup + duration
+    ]
     return out, warmup
 
 
@@ -179,7 +210,9 @@ def _reset_workers(stack: Stack) -> None:
             time.sleep(0.1)
 
 
-def _run_one(stack: Stack, cfg: CompareConfig, system: str, items: list[WorkItem], warmup: float, label: str) -> dict[str, Any]:
+def _run_one(
+    stack: Stack, cfg: CompareConfig, system: str, items: list[WorkItem], warmup: float, label: str
+) -> dict[str, Any]:
     kind, _, policy = system.partition("-")
     routers: list[ChildProcess] = []
     urls: list[str] = []
@@ -196,7 +229,12 @@ def _run_one(stack: Stack, cfg: CompareConfig, system: str, items: list[WorkItem
     elif kind == "sglang":
         _reset_workers(stack)
         for g in range(cfg.replicas):
-            proc, url = sglang_router(stack.worker_urls, policy or "cache_aware", stack.log_dir, name=f"sglang-{policy}-{g}")
+            proc, url = sglang_router(
+                stack.worker_urls,
+                policy or "cache_aware",
+                stack.log_dir,
+                name=f"sglang-{policy}-{g}",
+            )
             routers.append(stack.add_process(proc))
             urls.append(url)
         for proc, url in zip(routers, urls, strict=True):
@@ -205,7 +243,9 @@ def _run_one(stack: Stack, cfg: CompareConfig, system: str, items: list[WorkItem
         raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
     try:
         snap: dict[str, dict[str, dict[str, float]]] = {}
-        timer = threading.Timer(warmup, lambda: snap.setdefault("at_warmup", scrape_workers(stack.worker_urls)))
+        timer = threading.Timer(
+            warmup, lambda: snap.setdefault("at_warmup", scrape_workers(stack.worker_urls))
+        )
         dcfg = DriverConfig(
             base_url=urls[0],
             model=stack.config.model,
@@ -227,9 +267,16 @@ def _run_one(stack: Stack, cfg: CompareConfig, system: str, items: list[WorkItem
         for proc in routers:
             proc.stop()
             stack.extra.remove(proc)
-    measured = [r for r in result.records if r.scheduled >= warmup and r.error != "not sent: beyond max_duration"]
+    measured = [
+        r
+        for r in result.records
+        if r.scheduled >= warmup and r.error != "not sent: beyond max_duration"
+    ]
     s = summarize(measured, cfg.duration, cfg.slo_ttft_ms)
-    bal = balance({w: v["requests"] for w, v in per_worker.items()}, {w: v["prompt_tokens"] for w, v in per_worker.items()})
+    bal = balance(
+        {w: v["requests"] for w, v in per_worker.items()},
+        {w: v["prompt_tokens"] for w, v in per_worker.items()},
+    )
     engine_prompt = sum(v["prompt_tokens"] for v in per_worker.values())
     engine_cached = sum(v["cached_tokens"] for v in per_worker.values())
     return {
@@ -248,7 +295,9 @@ def _run_one(stack: Stack, cfg: CompareConfig, system: str, items: list[WorkItem
         "max_mean_tokens": bal["max_mean_tokens"],
         "per_worker": per_worker,
         "warmup_s": round(warmup, 1),
-        "ttfts_ms": sorted(round(r.ttft * 1000, 2) for r in measured if r.ok and r.ttft is not None),
+        "ttfts_ms": sorted(
+            round(r.ttft * 1000, 2) for r in measured if r.ok and r.ttft is not None
+        ),
     }
 
 

@@ -85,7 +85,18 @@ def run(args: argparse.Namespace) -> int:
     md.write_text(_report_markdown(report, rows, kv, rr))
     print(f"\nreport: {md} (plots beside it); took {time.monotonic() - t0:.0f}s")
     if args.json:
-        print(json.dumps({**report, "results": [{k: v for k, v in r.items() if k not in ("ttfts_ms",)} for r in report["results"]]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    **report,
+                    "results": [
+                        {k: v for k, v in r.items() if k not in ("ttfts_ms",)}
+                        for r in report["results"]
+                    ],
+                },
+                indent=2,
+            )
+        )
     return 0
 
 
@@ -117,8 +128,14 @@ def _verdict(kv: dict[str, Any], rr: dict[str, Any]) -> str:
     )
 
 
-def _report_markdown(report: dict[str, Any], rows: list[dict[str, Any]], kv: dict[str, Any], rr: dict[str, Any]) -> str:
-    plots = "\n".join(f"![{Path(p).stem}]({Path(p).name})" for p in report.get("plots", []) if isinstance(report.get("plots"), list))
+def _report_markdown(
+    report: dict[str, Any], rows: list[dict[str, Any]], kv: dict[str, Any], rr: dict[str, Any]
+) -> str:
+    plots = "\n".join(
+        f"![{Path(p).stem}]({Path(p).name})"
+        for p in report.get("plots", [])
+        if isinstance(report.get("plots"), list)
+    )
     return (
         "# kvroute demo\n\n"
         f"Workload: `{json.dumps(report['workload'])}`\n\n"

@@ -92,7 +92,14 @@ def _payload(item: WorkItem, cfg: DriverConfig) -> tuple[str, dict[str, Any]]:
     return "/v1/completions", {**common, "prompt": item.prompt_text()}
 
 
-async def _one(session: aiohttp.ClientSession, item: WorkItem, cfg: DriverConfig, base: str, t0: float, rec: RequestRecord) -> None:
+async def _one(
+    session: aiohttp.ClientSession,
+    item: WorkItem,
+    cfg: DriverConfig,
+    base: str,
+    t0: float,
+    rec: RequestRecord,
+) -> None:
     path, body = _payload(item, cfg)
     headers = {"content-type": "application/json", "x-session-id": item.session, **cfg.headers}
     rec.sent = time.monotonic() - t0
@@ -151,7 +158,9 @@ def _has_token(choice: dict[str, Any]) -> bool:
     return bool(delta.get("content") or delta.get("reasoning_content"))
 
 
-async def run_load(items: Sequence[WorkItem], cfg: DriverConfig, base_urls: Sequence[str] | None = None) -> LoadResult:
+async def run_load(
+    items: Sequence[WorkItem], cfg: DriverConfig, base_urls: Sequence[str] | None = None
+) -> LoadResult:
     """Send ``items`` at their scheduled times; returns every record and a summary.
 
     ``base_urls``: several endpoints (gateway replicas) used in turn, like a round-robin
@@ -162,7 +171,14 @@ async def run_load(items: Sequence[WorkItem], cfg: DriverConfig, base_urls: Sequ
     records = [RequestRecord(it.index, it.session, it.at) for it in todo]
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout, sock_connect=10)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    bar = tqdm(total=len(todo), desc=cfg.label or "load", unit="req", disable=not cfg.progress, leave=False, mininterval=0.5)
+    bar = tqdm(
+        total=len(todo),
+        desc=cfg.label or "load",
+        unit="req",
+        disable=not cfg.progress,
+        leave=False,
+        mininterval=0.5,
+    )
     tasks: list[asyncio.Task[None]] = []
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         t0 = time.monotonic()
@@ -176,7 +192,9 @@ async def run_load(items: Sequence[WorkItem], cfg: DriverConfig, base_urls: Sequ
             task = asyncio.create_task(_one(session, it, cfg, urls[n % len(urls)], t0, rec))
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
-        done, pending = await asyncio.wait(tasks, timeout=cfg.drain_timeout) if tasks else (set(), set())
+        _, pending = (
+            await asyncio.wait(tasks, timeout=cfg.drain_timeout) if tasks else (set(), set())
+        )
         for task in pending:
             task.cancel()
         if pending:
@@ -184,7 +202,12 @@ async def run_load(items: Sequence[WorkItem], cfg: DriverConfig, base_urls: Sequ
         duration = time.monotonic() - t0
     bar.close()
     sent = [r for r in records if r.error != "not sent: beyond max_duration"]
-    return LoadResult({k: v for k, v in asdict(cfg).items() if k != "headers"}, records, duration, summarize(sent, duration, cfg.slo_ttft_ms))
+    return LoadResult(
+        {k: v for k, v in asdict(cfg).items() if k != "headers"},
+        records,
+        duration,
+        summarize(sent, duration, cfg.slo_ttft_ms),
+    )
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -200,14 +223,18 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1000.0, 2)
 
 
-def summarize(records: Sequence[RequestRecord], duration: float, slo_ttft_ms: float) -> dict[str, Any]:
+def summarize(
+    records: Sequence[RequestRecord], duration: float, slo_ttft_ms: float
+) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     itls = [x for r in ok for x in r.itl]
     e2es = [r.e2e for r in ok if r.e2e is not None]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
-    per_worker: dict[str, dict[str, float]] = defaultdict(lambda: {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0})
+    per_worker: dict[str, dict[str, float]] = defaultdict(
+        lambda: {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
+    )
     for r in ok:
         if r.worker:
             w = per_worker[r.worker]
@@ -215,7 +242,9 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo_ttft_ms: fl
             w["prompt_tokens"] += r.prompt_tokens
             w["cached_tokens"] += r.cached_tokens
     for w in per_worker.values():
-        w["hit_rate"] = round(w["cached_tokens"] / w["prompt_tokens"], 4) if w["prompt_tokens"] else 0.0
+        w["hit_rate"] = (
+            round(w["cached_tokens"] / w["prompt_tokens"], 4) if w["prompt_tokens"] else 0.0
+        )
     good = sum(1 for r in ok if r.ttft is not None and r.ttft * 1000 <= slo_ttft_ms)
     errors: dict[str, int] = defaultdict(int)
     for r in records:
@@ -228,7 +257,9 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo_ttft_ms: fl
         "errors": dict(errors),
         "duration_s": round(duration, 2),
         "throughput_rps": round(len(ok) / duration, 3) if duration > 0 else 0.0,
-        "output_tokens_per_s": round(sum(r.output_tokens for r in ok) / duration, 1) if duration > 0 else 0.0,
+        "output_tokens_per_s": round(sum(r.output_tokens for r in ok) / duration, 1)
+        if duration > 0
+        else 0.0,
         "ttft_p50_ms": _ms(_pct(ttfts, 0.5)),
         "ttft_p90_ms": _ms(_pct(ttfts, 0.9)),
         "ttft_p99_ms": _ms(_pct(ttfts, 0.99)),
@@ -244,7 +275,10 @@ def summarize(records: Sequence[RequestRecord], duration: float, slo_ttft_ms: fl
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "per_worker": dict(per_worker),
-        **balance({w: v["requests"] for w, v in per_worker.items()}, {w: v["prompt_tokens"] for w, v in per_worker.items()}),
+        **balance(
+            {w: v["requests"] for w, v in per_worker.items()},
+            {w: v["prompt_tokens"] for w, v in per_worker.items()},
+        ),
     }
 
 
@@ -256,4 +290,7 @@ def balance(requests: dict[str, float], tokens: dict[str, float]) -> dict[str, f
             return None
         return round(max(xs) / (sum(xs) / len(xs)), 3)
 
-    return {"max_mean_requests": ratio(list(requests.values())), "max_mean_tokens": ratio(list(tokens.values()))}
+    return {
+        "max_mean_requests": ratio(list(requests.values())),
+        "max_mean_tokens": ratio(list(tokens.values())),
+    }

@@ -50,7 +50,9 @@ class FaultResult:
 class BackgroundLoad:
     """Chat traffic at ``rate`` req/s for ``seconds``, in its own thread and event loop."""
 
-    def __init__(self, stack: Stack, rate: float, seconds: float, max_tokens: int = 16, seed: int = 3) -> None:
+    def __init__(
+        self, stack: Stack, rate: float, seconds: float, max_tokens: int = 16, seed: int = 3
+    ) -> None:
         turns = 4.0
         wl = ChatWorkload(
             conversations=int(rate * seconds / turns) + 5,
@@ -64,7 +66,15 @@ class BackgroundLoad:
             seed=seed,
         )
         self.items: list[WorkItem] = [it for it in wl.items() if it.at <= seconds]
-        self.cfg = DriverConfig(stack.gateway_urls[0], stack.config.model, "chat", max_duration=seconds, drain_timeout=60.0, request_timeout=60.0, progress=False)
+        self.cfg = DriverConfig(
+            stack.gateway_urls[0],
+            stack.config.model,
+            "chat",
+            max_duration=seconds,
+            drain_timeout=60.0,
+            request_timeout=60.0,
+            progress=False,
+        )
         self.records: list[RequestRecord] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.t0 = 0.0
@@ -145,9 +155,13 @@ def _gateway_counter(stack: Stack, name: str, worker: str, **labels: str) -> flo
 
 
 def _agent_counter(stack: Stack, i: int, prefix: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{stack.agent_ports[i]}/metrics", timeout=10) as resp:
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{stack.agent_ports[i]}/metrics", timeout=10
+    ) as resp:
         text = resp.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
+    )
 
 
 # -- scenarios ------------------------------------------------------------------------------------
@@ -156,7 +170,9 @@ def _agent_counter(stack: Stack, i: int, prefix: str) -> float:
 def redis_outage(stack: Stack, outage_s: float = 30.0, rate: float = 4.0) -> FaultResult:
     """R1: Redis killed under load for ``outage_s``, then restarted."""
     assert stack.redis is not None
-    res = FaultResult("redis_outage", f"redis-server SIGKILL for {outage_s:g}s under {rate:g} req/s")
+    res = FaultResult(
+        "redis_outage", f"redis-server SIGKILL for {outage_s:g}s under {rate:g} req/s"
+    )
     with BackgroundLoad(stack, rate, outage_s + 20.0) as load:
         load.at(5.0)
         stack.redis.kill()
@@ -165,7 +181,9 @@ def redis_outage(stack: Stack, outage_s: float = 30.0, rate: float = 4.0) -> Fau
         back = time.monotonic()
         _settle(stack, res, back)
     load.tally(res)
-    res.ok = res.failed == 0 and res.lost == 0 and res.recovery_s is not None and res.recovery_s <= 5.0
+    res.ok = (
+        res.failed == 0 and res.lost == 0 and res.recovery_s is not None and res.recovery_s <= 5.0
+    )
     return res
 
 
@@ -181,13 +199,17 @@ def agent_restart(stack: Stack, rate: float = 4.0) -> FaultResult:
         back = time.monotonic()
         _settle(stack, res, back)
     load.tally(res)
-    res.ok = res.failed == 0 and res.lost == 0 and res.recovery_s is not None and res.recovery_s <= 5.0
+    res.ok = (
+        res.failed == 0 and res.lost == 0 and res.recovery_s is not None and res.recovery_s <= 5.0
+    )
     return res
 
 
 def engine_restart(stack: Stack, rate: float = 4.0) -> FaultResult:
     """R2: the engine restarts (sequence back to 0, cache empty): stale entries gone in 2s."""
-    res = FaultResult("engine_restart", "the busiest worker's engine restarts (sequence reset, empty cache)")
+    res = FaultResult(
+        "engine_restart", "the busiest worker's engine restarts (sequence reset, empty cache)"
+    )
     with BackgroundLoad(stack, rate, 20.0) as load:
         load.at(6.0)
         worker = _busiest(stack)
@@ -198,8 +220,12 @@ def engine_restart(stack: Stack, rate: float = 4.0) -> FaultResult:
         # every pre-restart block must leave the index; the fresh engine's new blocks may
         # arrive meanwhile, so "gone" is the first moment the count fell below the old one
         # and the entry equals the agent's mirror of the fresh engine
-        gone = _wait(lambda: stack.index().get(wid, {}).get("blocks", 0) < old and not stack.diverged(), 10.0)
-        res.detail.update(worker=wid, blocks_before=old, stale_gone_s=None if gone is None else round(gone, 2))
+        gone = _wait(
+            lambda: stack.index().get(wid, {}).get("blocks", 0) < old and not stack.diverged(), 10.0
+        )
+        res.detail.update(
+            worker=wid, blocks_before=old, stale_gone_s=None if gone is None else round(gone, 2)
+        )
         _settle(stack, res, t)
     load.tally(res)
     res.ok = res.failed == 0 and res.lost == 0 and old > 0 and gone is not None and gone <= 2.0
@@ -225,7 +251,9 @@ def dropped_batches(stack: Stack, count: int = 5, rate: float = 4.0) -> FaultRes
 def worker_killed(stack: Stack, rate: float = 6.0) -> FaultResult:
     """R3: a worker dies mid-load: un-started requests retried, streams end with an error
     event, and no new request is sent to it a second after its death is observable."""
-    res = FaultResult("worker_killed", "the busiest worker killed (connections refused and reset) under load")
+    res = FaultResult(
+        "worker_killed", "the busiest worker killed (connections refused and reset) under load"
+    )
     with BackgroundLoad(stack, rate, 20.0, max_tokens=600) as load:  # long streams: some under way
         load.at(6.0)
         worker = _busiest(stack)
@@ -235,11 +263,17 @@ def worker_killed(stack: Stack, rate: float = 6.0) -> FaultResult:
         load.at(8.0)  # death observable within the first refused attempt or the 1s probe
         attempts = _gateway_counter(stack, "kvroute_retries_total", wid)
         load.at(20.0)
-        res.detail.update(worker=wid, inflight_at_kill=inflight, attempts_after_2s=_gateway_counter(stack, "kvroute_retries_total", wid) - attempts)
+        res.detail.update(
+            worker=wid,
+            inflight_at_kill=inflight,
+            attempts_after_2s=_gateway_counter(stack, "kvroute_retries_total", wid) - attempts,
+        )
         stack.fault(worker, "restart")
         _settle(stack, res, time.monotonic())
     load.tally(res)
-    res.ok = res.failed == 0 and res.detail["attempts_after_2s"] == 0 and res.lost == 0 and inflight > 0
+    res.ok = (
+        res.failed == 0 and res.detail["attempts_after_2s"] == 0 and res.lost == 0 and inflight > 0
+    )
     return res
 
 
@@ -254,13 +288,20 @@ def stuck_worker(stack: Stack, rate: float = 4.0) -> FaultResult:
         wid = stack.worker_id(worker)
         stack.fault(worker, "pause")
         load.at(14.0)
-        res.detail.update(worker=wid, timed_out=_gateway_counter(stack, "kvroute_retries_total", wid, cause="first_byte_timeout"))
+        res.detail.update(
+            worker=wid,
+            timed_out=_gateway_counter(
+                stack, "kvroute_retries_total", wid, cause="first_byte_timeout"
+            ),
+        )
         circuit = next(w["circuit"] for w in stack.workers() if w["worker_id"] == wid)
         res.detail["circuit_during"] = circuit
         stack.fault(worker, "resume")
         _settle(stack, res, time.monotonic())
     load.tally(res)
-    res.ok = res.failed == 0 and res.lost == 0 and res.detail["timed_out"] > 0 and circuit != "closed"
+    res.ok = (
+        res.failed == 0 and res.lost == 0 and res.detail["timed_out"] > 0 and circuit != "closed"
+    )
     return res
 
 
@@ -281,7 +322,13 @@ def bad_events(stack: Stack, rate: float = 3.0) -> FaultResult:
     res.detail["agent_bad_events"] = _agent_counter(stack, worker, "kvroute_agent_events_bad_total")
     res.detail["agent_alive"] = stack.agents[worker].alive()
     res.detail["gateway_alive"] = stack.gateways[0].alive()
-    res.ok = res.failed == 0 and res.lost == 0 and res.detail["agent_alive"] and res.detail["gateway_alive"] and res.detail["agent_bad_events"] > 0
+    res.ok = (
+        res.failed == 0
+        and res.lost == 0
+        and res.detail["agent_alive"]
+        and res.detail["gateway_alive"]
+        and res.detail["agent_bad_events"] > 0
+    )
     return res
 
 
@@ -310,5 +357,3 @@ def summary(results: list[FaultResult]) -> dict[str, Any]:
         "lost": sum(r.lost for r in results),
         "ok": all(r.ok for r in results),
     }
-
-

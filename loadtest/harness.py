@@ -155,12 +155,55 @@ class RedisServer:
         tls.mkdir(parents=True, exist_ok=True)
         openssl = shutil.which("openssl")
         if openssl is None:
-            raise HarnessError("openssl is needed to make test certificates (Debian package openssl)")
+            raise HarnessError(
+                "openssl is needed to make test certificates (Debian package openssl)"
+            )
         (tls / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
         steps = [
-            ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=kvroute-test-ca"],
-            ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1"],
-            ["x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "ext.cnf"],
+            [
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.crt",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=kvroute-test-ca",
+            ],
+            [
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                "server.key",
+                "-out",
+                "server.csr",
+                "-subj",
+                "/CN=127.0.0.1",
+            ],
+            [
+                "x509",
+                "-req",
+                "-in",
+                "server.csr",
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                "server.crt",
+                "-days",
+                "2",
+                "-extfile",
+                "ext.cnf",
+            ],
         ]
         for step in steps:
             subprocess.run([openssl, *step], cwd=tls, check=True, capture_output=True)

@@ -30,7 +30,9 @@ def sglang_router_binary() -> str:
     return found
 
 
-def sglang_router(worker_urls: list[str], policy: str, log_dir: Path, name: str = "") -> tuple[ChildProcess, str]:
+def sglang_router(
+    worker_urls: list[str], policy: str, log_dir: Path, name: str = ""
+) -> tuple[ChildProcess, str]:
     """A started sglang-router process (not yet waited for) and its base URL."""
     port, metrics = free_port(), free_port()
     args = [

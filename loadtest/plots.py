@@ -8,7 +8,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 __all__ = ["compare_plots"]
 
@@ -51,19 +51,36 @@ def compare_plots(report: dict[str, Any], out: Path) -> list[str]:
     fig.suptitle("TTFT vs offered load")
     files.append(_save(fig, out / "ttft_vs_load.png"))
 
-    for key, title, fname in (("hit_rate", "prefix-cache hit rate per worker", "hit_rate_per_worker.png"), ("requests", "requests per worker", "load_per_worker.png")):
+    for key, title, fname in (
+        ("hit_rate", "prefix-cache hit rate per worker", "hit_rate_per_worker.png"),
+        ("requests", "requests per worker", "load_per_worker.png"),
+    ):
         fig, ax = plt.subplots(figsize=(9, 4.2))
-        workers = sorted({w for r in at_top.values() for w in r["per_worker"]}, key=lambda w: int(w.rsplit("-", 1)[1]))
+        workers = sorted(
+            {w for r in at_top.values() for w in r["per_worker"]},
+            key=lambda w: int(w.rsplit("-", 1)[1]),
+        )
         width = 0.8 / max(1, len(systems))
         for k, s in enumerate(systems):
             if s not in at_top:
                 continue
             pw = at_top[s]["per_worker"]
-            ax.bar([i + k * width for i in range(len(workers))], [pw.get(w, {}).get(key, 0) for w in workers], width, label=s)
+            ax.bar(
+                [i + k * width for i in range(len(workers))],
+                [pw.get(w, {}).get(key, 0) for w in workers],
+                width,
+                label=s,
+            )
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workers))], workers, rotation=30)
         ax.set_title(f"{title} at {top:.0%} offered load")
         if key == "hit_rate" and report.get("bound_hit_rate") is not None:
-            ax.axhline(report["bound_hit_rate"], color="black", linestyle="--", linewidth=1, label="pooled-cache bound")
+            ax.axhline(
+                report["bound_hit_rate"],
+                color="black",
+                linestyle="--",
+                linewidth=1,
+                label="pooled-cache bound",
+            )
         ax.legend(fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
         files.append(_save(fig, out / fname))

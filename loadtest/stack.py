@@ -132,7 +132,11 @@ class Stack:
         return str(bundled_test_tokenizer())
 
     def _start_redis(self) -> None:
-        self.redis = RedisServer(password=self.config.redis_password, workdir=self.log_dir / "redis", tls=self.config.redis_tls)
+        self.redis = RedisServer(
+            password=self.config.redis_password,
+            workdir=self.log_dir / "redis",
+            tls=self.config.redis_tls,
+        )
         self.redis.workdir.mkdir(exist_ok=True)  # type: ignore[union-attr]
         self.redis.start()
 
@@ -184,7 +188,10 @@ class Stack:
         c = self.config
         cfg: dict[str, Any] = {
             "server": {"host": "127.0.0.1", "port": port, "workers": c.gateway_processes},
-            "redis": {"url": self.redis_url, "tls_ca_file": str(self.redis.ca_file) if c.redis_tls and self.redis else ""},
+            "redis": {
+                "url": self.redis_url,
+                "tls_ca_file": str(self.redis.ca_file) if c.redis_tls and self.redis else "",
+            },
             "index": {"hash_seed": c.hash_seed},
             "auth": {"admin_key": ADMIN_KEY},
             "pools": [
@@ -209,7 +216,9 @@ class Stack:
         cfg = self.gateway_config(port, **overrides)
         path = self.log_dir / f"gateway-{g}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        proc = ChildProcess.kvroute(["gateway", "--config", str(path)], f"gateway-{g}", self.log_dir).start()
+        proc = ChildProcess.kvroute(
+            ["gateway", "--config", str(path)], f"gateway-{g}", self.log_dir
+        ).start()
         proc.wait_for_log("kvroute gateway ready", timeout=self.config.start_timeout)
         url = f"http://127.0.0.1:{port}"
         if g < len(self.gateways):
@@ -240,7 +249,9 @@ class Stack:
                 except (OSError, ValueError):
                     pass
                 if time.monotonic() > deadline:
-                    tails = "\n".join(f"--- {p.name}\n{p.tail(15)}" for p in [*self.gateways, *self.agents])
+                    tails = "\n".join(
+                        f"--- {p.name}\n{p.tail(15)}" for p in [*self.gateways, *self.agents]
+                    )
                     raise HarnessError(f"stack not ready at {url} in time\n{tails}")
                 time.sleep(0.1)
 
@@ -254,7 +265,12 @@ class Stack:
     def fault(self, worker: int, action: str, **params: Any) -> dict[str, Any]:
         """Inject a fault into a sim worker through the sim's admin API."""
         body = json.dumps({"worker": worker, "action": action, **params}).encode()
-        req = urllib.request.Request(self.sim_admin_url + "/sim/fault", data=body, method="POST", headers={"content-type": "application/json"})
+        req = urllib.request.Request(
+            self.sim_admin_url + "/sim/fault",
+            data=body,
+            method="POST",
+            headers={"content-type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:
             return dict(json.loads(resp.read()))
 
@@ -286,7 +302,7 @@ class Stack:
         return out
 
     def sim_state(self) -> list[dict[str, Any]]:
-        status, body = _get(self.sim_admin_url + "/sim/workers")
+        _, body = _get(self.sim_admin_url + "/sim/workers")
         return list(json.loads(body))
 
     def add_process(self, proc: ChildProcess) -> ChildProcess:
@@ -322,5 +338,3 @@ def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
             _merge(dst[k], v)
         else:
             dst[k] = v
-
-

@@ -49,24 +49,294 @@ Role = Literal["system", "user", "assistant", "tool", "text"]
 # Common English words that are single tokens (with their leading space) in byte-level BPE
 # vocabularies, so ``n`` words are about ``n`` tokens.
 WORDS = tuple(
-    """the of and to in is that for it as with was on be by at this are from or have an
-    they which one you were all we when there can been has more if will would their what
-    so about out many then them these some her him into time two like other see could no
-    make than first been its who now people my made over did down only way find use may
-    water long little very after words called just where most know get through back much
-    before go good new write our used me man too any day same right look think also around
-    another came come work three word must because does part even place well such here take
-    why things help put years different away again off went old number great tell men say
-    small every found still between name should home big give air line set own under read
-    last never us left end along while might next sound below saw something thought both few
-    those always looked show large often together asked house world going want school important
-    until form food keep children feet land side without boy once animals life enough took
-    sometimes four head above kind began almost live page got earth need far hand high year
-    mother light parts country father let night following picture being study second eyes soon
-    times story boys since white days ever paper hard near sentence better best across during
-    today others however sure means knew try told young miles sun ways thing whole hear example
-    heard several change answer room sea against top turned learn point city play toward five
-    using himself usually money seen car morning given""".split()
+    [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "that",
+        "for",
+        "it",
+        "as",
+        "with",
+        "was",
+        "on",
+        "be",
+        "by",
+        "at",
+        "this",
+        "are",
+        "from",
+        "or",
+        "have",
+        "an",
+        "they",
+        "which",
+        "one",
+        "you",
+        "were",
+        "all",
+        "we",
+        "when",
+        "there",
+        "can",
+        "been",
+        "has",
+        "more",
+        "if",
+        "will",
+        "would",
+        "their",
+        "what",
+        "so",
+        "about",
+        "out",
+        "many",
+        "then",
+        "them",
+        "these",
+        "some",
+        "her",
+        "him",
+        "into",
+        "time",
+        "two",
+        "like",
+        "other",
+        "see",
+        "could",
+        "no",
+        "make",
+        "than",
+        "first",
+        "been",
+        "its",
+        "who",
+        "now",
+        "people",
+        "my",
+        "made",
+        "over",
+        "did",
+        "down",
+        "only",
+        "way",
+        "find",
+        "use",
+        "may",
+        "water",
+        "long",
+        "little",
+        "very",
+        "after",
+        "words",
+        "called",
+        "just",
+        "where",
+        "most",
+        "know",
+        "get",
+        "through",
+        "back",
+        "much",
+        "before",
+        "go",
+        "good",
+        "new",
+        "write",
+        "our",
+        "used",
+        "me",
+        "man",
+        "too",
+        "any",
+        "day",
+        "same",
+        "right",
+        "look",
+        "think",
+        "also",
+        "around",
+        "another",
+        "came",
+        "come",
+        "work",
+        "three",
+        "word",
+        "must",
+        "because",
+        "does",
+        "part",
+        "even",
+        "place",
+        "well",
+        "such",
+        "here",
+        "take",
+        "why",
+        "things",
+        "help",
+        "put",
+        "years",
+        "different",
+        "away",
+        "again",
+        "off",
+        "went",
+        "old",
+        "number",
+        "great",
+        "tell",
+        "men",
+        "say",
+        "small",
+        "every",
+        "found",
+        "still",
+        "between",
+        "name",
+        "should",
+        "home",
+        "big",
+        "give",
+        "air",
+        "line",
+        "set",
+        "own",
+        "under",
+        "read",
+        "last",
+        "never",
+        "us",
+        "left",
+        "end",
+        "along",
+        "while",
+        "might",
+        "next",
+        "sound",
+        "below",
+        "saw",
+        "something",
+        "thought",
+        "both",
+        "few",
+        "those",
+        "always",
+        "looked",
+        "show",
+        "large",
+        "often",
+        "together",
+        "asked",
+        "house",
+        "world",
+        "going",
+        "want",
+        "school",
+        "important",
+        "until",
+        "form",
+        "food",
+        "keep",
+        "children",
+        "feet",
+        "land",
+        "side",
+        "without",
+        "boy",
+        "once",
+        "animals",
+        "life",
+        "enough",
+        "took",
+        "sometimes",
+        "four",
+        "head",
+        "above",
+        "kind",
+        "began",
+        "almost",
+        "live",
+        "page",
+        "got",
+        "earth",
+        "need",
+        "far",
+        "hand",
+        "high",
+        "year",
+        "mother",
+        "light",
+        "parts",
+        "country",
+        "father",
+        "let",
+        "night",
+        "following",
+        "picture",
+        "being",
+        "study",
+        "second",
+        "eyes",
+        "soon",
+        "times",
+        "story",
+        "boys",
+        "since",
+        "white",
+        "days",
+        "ever",
+        "paper",
+        "hard",
+        "near",
+        "sentence",
+        "better",
+        "best",
+        "across",
+        "during",
+        "today",
+        "others",
+        "however",
+        "sure",
+        "means",
+        "knew",
+        "try",
+        "told",
+        "young",
+        "miles",
+        "sun",
+        "ways",
+        "thing",
+        "whole",
+        "hear",
+        "example",
+        "heard",
+        "several",
+        "change",
+        "answer",
+        "room",
+        "sea",
+        "against",
+        "top",
+        "turned",
+        "learn",
+        "point",
+        "city",
+        "play",
+        "toward",
+        "five",
+        "using",
+        "himself",
+        "usually",
+        "money",
+        "seen",
+        "car",
+        "morning",
+        "given",
+    ]
 )
 
 
@@ -160,7 +430,12 @@ class ChatWorkload(Workload):
 
     def items(self) -> Iterator[WorkItem]:
         rng = random.Random(self.seed)
-        systems = [Segment(f"sys{i}", "system", _text(random.Random(f"{self.seed}-sys{i}"), self.system_tokens)) for i in range(self.system_prompts)]
+        systems = [
+            Segment(
+                f"sys{i}", "system", _text(random.Random(f"{self.seed}-sys{i}"), self.system_tokens)
+            )
+            for i in range(self.system_prompts)
+        ]
         starts = _poisson_starts(rng, self.conversations, self.rate)
         items: list[WorkItem] = []
         for c, t0 in enumerate(starts):
@@ -200,12 +475,22 @@ class AgentWorkload(Workload):
 
     def items(self) -> Iterator[WorkItem]:
         rng = random.Random(self.seed)
-        systems = [Segment(f"asys{i}", "system", _text(random.Random(f"{self.seed}-asys{i}"), self.system_tokens)) for i in range(self.system_prompts)]
+        systems = [
+            Segment(
+                f"asys{i}",
+                "system",
+                _text(random.Random(f"{self.seed}-asys{i}"), self.system_tokens),
+            )
+            for i in range(self.system_prompts)
+        ]
         starts = _poisson_starts(rng, self.agents, self.rate)
         items: list[WorkItem] = []
         for a, t0 in enumerate(starts):
             arng = random.Random(f"{self.seed}-agent{a}")
-            ctx = [systems[arng.randrange(len(systems))], Segment(f"a{a}task", "user", _text(arng, arng.randint(*self.task_tokens)))]
+            ctx = [
+                systems[arng.randrange(len(systems))],
+                Segment(f"a{a}task", "user", _text(arng, arng.randint(*self.task_tokens))),
+            ]
             t = t0
             for step in range(arng.randint(*self.steps)):
                 call_len = arng.randint(*self.call_tokens)
@@ -237,12 +522,30 @@ class SharedPrefixWorkload(Workload):
 
     def items(self) -> Iterator[WorkItem]:
         rng = random.Random(self.seed)
-        prefixes = [Segment(f"gp{g}", "system", _text(random.Random(f"{self.seed}-gp{g}"), self.prefix_tokens)) for g in range(self.groups)]
+        prefixes = [
+            Segment(
+                f"gp{g}", "system", _text(random.Random(f"{self.seed}-gp{g}"), self.prefix_tokens)
+            )
+            for g in range(self.groups)
+        ]
         pairs = [(g, q) for g in range(self.groups) for q in range(self.prompts_per_group)]
         rng.shuffle(pairs)
         starts = _poisson_starts(rng, len(pairs), self.rate)
         items = [
-            WorkItem(0, t, f"group-{g}", [prefixes[g], Segment(f"g{g}q{q}", "user", _text(random.Random(f"{self.seed}-g{g}q{q}"), self.question_tokens))], self.output_tokens)
+            WorkItem(
+                0,
+                t,
+                f"group-{g}",
+                [
+                    prefixes[g],
+                    Segment(
+                        f"g{g}q{q}",
+                        "user",
+                        _text(random.Random(f"{self.seed}-g{g}q{q}"), self.question_tokens),
+                    ),
+                ],
+                self.output_tokens,
+            )
             for (g, q), t in zip(pairs, starts, strict=True)
         ]
         return _numbered(items)
@@ -279,9 +582,16 @@ class TraceWorkload(Workload):
         cache: dict[int, Segment] = {}
         for i, rec in enumerate(self.records()):
             try:
-                ts, n_in, n_out, hids = float(rec["timestamp"]), int(rec["input_length"]), int(rec["output_length"]), rec["hash_ids"]
+                ts, n_in, n_out, hids = (
+                    float(rec["timestamp"]),
+                    int(rec["input_length"]),
+                    int(rec["output_length"]),
+                    rec["hash_ids"],
+                )
             except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{self.path}: record {i} is not a Mooncake trace record: {exc}") from None
+                raise ValueError(
+                    f"{self.path}: record {i} is not a Mooncake trace record: {exc}"
+                ) from None
             segs = []
             left = n_in
             for h in hids:
@@ -299,10 +609,20 @@ class TraceWorkload(Workload):
     def block(self, h: int) -> Segment:
         """The fixed pseudo-random run of token ids that hash id ``h`` stands for."""
         rng = random.Random(self.seed * 1_000_003 + h)
-        return Segment(f"h{h}", "text", ids=tuple(rng.randrange(1, self.vocab) for _ in range(self.block_tokens)))
+        return Segment(
+            f"h{h}",
+            "text",
+            ids=tuple(rng.randrange(1, self.vocab) for _ in range(self.block_tokens)),
+        )
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": "trace", "path": self.path, "speed": self.speed, "limit": self.limit}
+        return {
+            "name": self.name,
+            "kind": "trace",
+            "path": self.path,
+            "speed": self.speed,
+            "limit": self.limit,
+        }
 
 
 def write_synthetic_trace(
@@ -329,7 +649,9 @@ def write_synthetic_trace(
     with open(path, "w") as f:
         for _ in range(requests):
             t += rng.expovariate(rate)
-            n_in = max(block_tokens // 4, int(rng.lognormvariate(math.log(mean_input) - 0.55, 1.05)))
+            n_in = max(
+                block_tokens // 4, int(rng.lognormvariate(math.log(mean_input) - 0.55, 1.05))
+            )
             n_in = min(n_in, 128_000)
             blocks = -(-n_in // block_tokens)
             if sessions and rng.random() < 0.45:  # a follow-up: extend an earlier chain
@@ -345,7 +667,17 @@ def write_synthetic_trace(
             if len(sessions) > 2000:
                 sessions.pop(rng.randrange(len(sessions)))
             n_out = max(1, int(rng.expovariate(1.0 / mean_output)))
-            f.write(json.dumps({"timestamp": int(t * 1000), "input_length": n_in, "output_length": n_out, "hash_ids": chain}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": int(t * 1000),
+                        "input_length": n_in,
+                        "output_length": n_out,
+                        "hash_ids": chain,
+                    }
+                )
+                + "\n"
+            )
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -399,7 +731,9 @@ def make_workload(kind: str, **params: Any) -> Workload:
     fields_ = {f for f in cls.__dataclass_fields__}  # type: ignore[attr-defined]
     unknown = set(params) - fields_
     if unknown:
-        raise ValueError(f"unknown parameter(s) for workload {kind!r}: {', '.join(sorted(unknown))}")
+        raise ValueError(
+            f"unknown parameter(s) for workload {kind!r}: {', '.join(sorted(unknown))}"
+        )
     for k, v in params.items():
         if isinstance(v, list):
             params[k] = tuple(v)
@@ -417,4 +751,3 @@ def tokenize_segments(items: Sequence[WorkItem], encode: Any) -> None:
             if ids is None:
                 ids = done[s.key] = tuple(encode(s.text))
             it.segments[i] = Segment(s.key, s.role, s.text, ids)
-

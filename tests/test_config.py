@@ -36,8 +36,15 @@ class Conf:
 
 def test_precedence(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
-    f.write_text("port: 9000\nredis: {url: redis://file}\npools:\n  - {model: a}\n  - {model: b, block_size: 32}\n")
-    env = {"KVROUTE_PORT": "9100", "KVROUTE_REDIS__TIMEOUT": "2.5", "KVROUTE_POOLS__1__TOKENIZER": "/t.json", "OTHER": "x"}
+    f.write_text(
+        "port: 9000\nredis: {url: redis://file}\npools:\n  - {model: a}\n  - {model: b, block_size: 32}\n"
+    )
+    env = {
+        "KVROUTE_PORT": "9100",
+        "KVROUTE_REDIS__TIMEOUT": "2.5",
+        "KVROUTE_POOLS__1__TOKENIZER": "/t.json",
+        "OTHER": "x",
+    }
     c = load_config(Conf, file=f, env=env, overrides={"port": "9200", "debug": True})
     assert c.port == 9200 and c.debug is True
     assert c.redis == Redis("redis://file", 2.5)
@@ -46,7 +53,10 @@ def test_precedence(tmp_path: Path) -> None:
 
 
 def test_flags_parse_and_defaults() -> None:
-    c = load_config(Conf, overrides=parse_assignments(["redis.url=rediss://x", "pools.0.model=m", "labels.zone=a"]))
+    c = load_config(
+        Conf,
+        overrides=parse_assignments(["redis.url=rediss://x", "pools.0.model=m", "labels.zone=a"]),
+    )
     assert c.redis.url == "rediss://x" and c.pools[0].model == "m" and c.labels == {"zone": "a"}
     assert load_config(Conf) == Conf()
 
@@ -89,7 +99,9 @@ def test_unknown_env_vars_are_ignored_not_fatal() -> None:
 
 def test_string_settings_from_env_and_flags_stay_verbatim() -> None:
     env = {"KVROUTE_REDIS__URL": "true", "KVROUTE_PORT": "9300"}
-    c = load_config(Conf, env=env, overrides=parse_assignments(["pools.0.model=0x1F", "pools.0.tokenizer=null"]))
+    c = load_config(
+        Conf, env=env, overrides=parse_assignments(["pools.0.model=0x1F", "pools.0.tokenizer=null"])
+    )
     assert c.redis.url == "true" and c.port == 9300
     assert c.pools[0].model == "0x1F" and c.pools[0].tokenizer == "null"
     assert load_config(Conf, overrides={"labels": "{a: b}"}).labels == {"a": "b"}

@@ -63,5 +63,7 @@ def test_stuck_worker_is_isolated_by_timeouts_and_its_circuit(tmp_path: Path) ->
 
 def test_bad_events_are_counted_and_skipped(tmp_path: Path) -> None:
     r = run("bad_events", tmp_path)
-    assert r.detail["agent_bad_events"] > 0 and r.detail["agent_alive"] and r.detail["gateway_alive"], r
+    assert (
+        r.detail["agent_bad_events"] > 0 and r.detail["agent_alive"] and r.detail["gateway_alive"]
+    ), r
     assert r.lost == 0 and r.ok, r

@@ -32,7 +32,10 @@ def fuzz_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         speedup=200,
         max_model_len=4096,
         log_dir=tmp_path_factory.mktemp("fuzz"),
-        gateway_settings={"auth": {"api_keys": [{"key": API_KEY}]}, "server": {"max_body_bytes": 1_000_000}},
+        gateway_settings={
+            "auth": {"api_keys": [{"key": API_KEY}]},
+            "server": {"max_body_bytes": 1_000_000},
+        },
     )
     with Stack(cfg) as s:
         yield s
@@ -56,13 +59,21 @@ OPERATIONS = [
 
 
 CASES = [(m, p, GenerationMode.POSITIVE) for m, p in OPERATIONS] + [
-    (m, p, GenerationMode.NEGATIVE) for m, p in OPERATIONS if m == "POST"  # GETs have no input
+    (m, p, GenerationMode.NEGATIVE)
+    for m, p in OPERATIONS
+    if m == "POST"  # GETs have no input
 ]
 
 
-@pytest.mark.parametrize(("method", "path", "mode"), CASES, ids=[f"{m}-{p}-{g.value}" for m, p, g in CASES])
+@pytest.mark.parametrize(
+    ("method", "path", "mode"), CASES, ids=[f"{m}-{p}-{g.value}" for m, p, g in CASES]
+)
 def test_every_endpoint_answers_fuzzed_requests_without_5xx(
-    api_schema: schemathesis.BaseSchema, fuzz_stack: Stack, method: str, path: str, mode: GenerationMode
+    api_schema: schemathesis.BaseSchema,
+    fuzz_stack: Stack,
+    method: str,
+    path: str,
+    mode: GenerationMode,
 ) -> None:
     op = api_schema.find_operation_by_path(method, path)
     assert op is not None
@@ -70,12 +81,25 @@ def test_every_endpoint_answers_fuzzed_requests_without_5xx(
     base = fuzz_stack.gateway_urls[0]
     seen: list[int] = []
 
-    @settings(max_examples=30, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=30,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=op.as_strategy(generation_mode=mode))
     def check(case: schemathesis.Case) -> None:
-        response = case.call(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        response = case.call(
+            base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=30
+        )
         seen.append(response.status_code)
-        assert response.status_code < 500, (path, case.body, response.status_code, response.text[:300])
+        assert response.status_code < 500, (
+            path,
+            case.body,
+            response.status_code,
+            response.text[:300],
+        )
         if response.status_code >= 400:
             err = response.json()["error"]
             assert isinstance(err["message"], str) and err["message"]
@@ -101,18 +125,30 @@ def _post(url: str, data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         b'{"model": "sim-model", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',  # surrogate bytes
         b'{"model": "sim-model", "messages": [{"role": "user", "content": "\\ud800"}]}',  # lone surrogate escape
         b'{"model": "sim-model", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
-        b'{"model": "sim-model", "messages": [{"role": "user", "content": ' + b'"x' + b"y" * 900_000 + b'"}]}',
+        b'{"model": "sim-model", "messages": [{"role": "user", "content": '
+        + b'"x'
+        + b"y" * 900_000
+        + b'"}]}',
         b'{"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e309}',
         b'{"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999999999999999999999}',
-        json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "<\uff5cUser\uff5c>" * 500}]}).encode(),
-        json.dumps({"model": "sim-model", "messages": [{"role": "tool", "content": None}]}).encode(),
+        json.dumps(
+            {
+                "model": "sim-model",
+                "messages": [{"role": "user", "content": "<\uff5cUser\uff5c>" * 500}],
+            }
+        ).encode(),
+        json.dumps(
+            {"model": "sim-model", "messages": [{"role": "tool", "content": None}]}
+        ).encode(),
         json.dumps({"model": "sim-model", "prompt": [[1] * 10] * 200, "max_tokens": 1}).encode(),
     ],
 )
 def test_hostile_bodies_get_a_4xx_or_an_answer(fuzz_stack: Stack, body: bytes) -> None:
     url = fuzz_stack.gateway_urls[0]
     path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
-    status, data = _post(url + path, body, {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"})
+    status, data = _post(
+        url + path, body, {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"}
+    )
     assert status < 500, (status, data[:300])
     if status >= 400:
         assert json.loads(data)["error"]["message"]
@@ -132,7 +168,9 @@ def test_hostile_bodies_get_a_4xx_or_an_answer(fuzz_stack: Stack, body: bytes) -
 )
 def test_hostile_headers(fuzz_stack: Stack, headers: dict[str, str]) -> None:
     url = fuzz_stack.gateway_urls[0] + "/v1/chat/completions"
-    body = json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    body = json.dumps(
+        {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    ).encode()
     merged = {"content-type": "application/json", "authorization": f"Bearer {API_KEY}", **headers}
     status, data = _post(url, body, merged)
     assert status < 500, (status, data[:300])
@@ -142,7 +180,13 @@ def test_still_serving_after_the_fuzzing(fuzz_stack: Stack, tmp_path: Path) -> N
     url = fuzz_stack.gateway_urls[0]
     status, data = _post(
         url + "/v1/chat/completions",
-        json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 2}).encode(),
+        json.dumps(
+            {
+                "model": "sim-model",
+                "messages": [{"role": "user", "content": "still there?"}],
+                "max_tokens": 2,
+            }
+        ).encode(),
         {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"},
     )
     assert status == 200 and json.loads(data)["choices"]

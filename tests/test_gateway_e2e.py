@@ -19,7 +19,27 @@ import pytest
 from loadtest.stack import ADMIN_KEY, Stack, StackConfig
 
 MODEL = "sim-model"
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau"]
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+    "tau",
+]
 
 
 def text(seed: int, n_words: int) -> str:
@@ -35,11 +55,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def client(stack: Stack, i: int = 0, **kw: object) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.gateway_urls[i] + "/v1", api_key="none", max_retries=0, **kw)  # type: ignore[arg-type]
+    return openai.OpenAI(
+        base_url=stack.gateway_urls[i] + "/v1", api_key="none", max_retries=0, **kw
+    )  # type: ignore[arg-type]
 
 
-def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(url, data=body, method="POST", headers={"content-type": "application/json", **(headers or {})})
+def post(
+    url: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(
+        url,
+        data=body,
+        method="POST",
+        headers={"content-type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, dict(resp.headers), resp.read()
@@ -66,17 +95,33 @@ def test_chat_and_completions_streaming_and_not(stack: Stack) -> None:
     comp = r.parse()
     assert comp.choices[0].message.content and comp.usage and comp.usage.completion_tokens == 5
     assert r.headers["x-kvroute-worker"].startswith("worker-")
-    assert int(r.headers["x-kvroute-matched-tokens"]) >= 0 and "x-kvroute-predicted-ttft-ms" in r.headers
+    assert (
+        int(r.headers["x-kvroute-matched-tokens"]) >= 0
+        and "x-kvroute-predicted-ttft-ms" in r.headers
+    )
     chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, stream=True))  # type: ignore[arg-type]
     # the gateway asked the worker for usage but the client did not: no usage chunk reaches it
-    assert all(ch.choices for ch in chunks) and sum(1 for ch in chunks if ch.choices[0].delta.content) == 6
-    with_usage = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, stream=True, stream_options={"include_usage": True}))  # type: ignore[arg-type]
+    assert (
+        all(ch.choices for ch in chunks)
+        and sum(1 for ch in chunks if ch.choices[0].delta.content) == 6
+    )
+    with_usage = list(
+        c.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # type: ignore[arg-type]
     assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens == 3
     cp = c.completions.create(model=MODEL, prompt=text(2, 40), max_tokens=4)
     assert cp.choices[0].text and cp.usage and cp.usage.completion_tokens == 4
     ids = c.completions.create(model=MODEL, prompt=[101, 102, 103] * 20, max_tokens=2)
     assert ids.usage and ids.usage.prompt_tokens == 60
-    streamed = list(c.completions.create(model=MODEL, prompt=text(3, 30), max_tokens=4, stream=True))
+    streamed = list(
+        c.completions.create(model=MODEL, prompt=text(3, 30), max_tokens=4, stream=True)
+    )
     assert "".join(s.choices[0].text for s in streamed if s.choices)
     models = c.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -92,7 +137,9 @@ def test_multi_turn_follow_ups_land_on_the_prefix_holder_and_hit_the_cache(stack
         comp = r.parse()
         workers.append(r.headers["x-kvroute-worker"])
         assert comp.usage and comp.usage.prompt_tokens_details
-        cached.append((comp.usage.prompt_tokens_details.cached_tokens or 0, comp.usage.prompt_tokens))
+        cached.append(
+            (comp.usage.prompt_tokens_details.cached_tokens or 0, comp.usage.prompt_tokens)
+        )
         msgs.append({"role": "assistant", "content": comp.choices[0].message.content or ""})
     assert len(set(workers)) == 1, workers
     for hit, total in cached[1:]:
@@ -109,10 +156,34 @@ def test_errors_are_openai_shaped_4xx(stack: Stack) -> None:
         (b"\xff\xfe", 400, "invalid_utf8"),
         (json.dumps({"model": MODEL}).encode(), 400, "missing_field"),
         (json.dumps({"model": MODEL, "messages": "x"}).encode(), 400, "invalid_type"),
-        (json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "model_not_found"),
-        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text(5, 70000)}]}).encode(), 400, "context_length_exceeded"),
-        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}).encode(), 400, "context_length_exceeded"),
-        (json.dumps({"model": MODEL, "messages": [{"role": 7, "content": "x"}]}).encode(), 400, "invalid_prompt"),
+        (
+            json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(),
+            404,
+            "model_not_found",
+        ),
+        (
+            json.dumps(
+                {"model": MODEL, "messages": [{"role": "user", "content": text(5, 70000)}]}
+            ).encode(),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 10**9,
+                }
+            ).encode(),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": 7, "content": "x"}]}).encode(),
+            400,
+            "invalid_prompt",
+        ),
         (json.dumps({"model": MODEL, "prompt": [10**9]}).encode(), 400, "invalid_token_id"),
     ]
     for body, status, code in cases:
@@ -128,7 +199,9 @@ def test_errors_are_openai_shaped_4xx(stack: Stack) -> None:
     assert get(url + "/nope")[0] == 404
     # the SDK sees a proper exception, not a crash
     with pytest.raises(openai.NotFoundError):
-        client(stack).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        client(stack).chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}]
+        )
 
 
 def test_health_ready_metrics_and_admin_endpoints(stack: Stack) -> None:
@@ -137,10 +210,19 @@ def test_health_ready_metrics_and_admin_endpoints(stack: Stack) -> None:
     assert get(url + "/ready")[0] == 200
     status, body = get(url + "/metrics")
     assert status == 200
-    for name in (b"kvroute_requests_total", b"kvroute_ttft_seconds_bucket", b"kvroute_index_blocks", b"kvroute_redis_connected 1.0"):
+    for name in (
+        b"kvroute_requests_total",
+        b"kvroute_ttft_seconds_bucket",
+        b"kvroute_index_blocks",
+        b"kvroute_redis_connected 1.0",
+    ):
         assert name in body
     # every request so far was routed, and each decision was timed
-    count = next(line for line in body.decode().splitlines() if line.startswith("kvroute_routing_decision_seconds_count"))
+    count = next(
+        line
+        for line in body.decode().splitlines()
+        if line.startswith("kvroute_routing_decision_seconds_count")
+    )
     assert float(count.rsplit(" ", 1)[1]) > 0
     assert get(url + "/workers")[0] == 401
     assert get(url + "/workers", "wrong")[0] == 401
@@ -148,7 +230,9 @@ def test_health_ready_metrics_and_admin_endpoints(stack: Stack) -> None:
     ws = json.loads(body)["workers"]
     assert status == 200 and {w["worker_id"] for w in ws} == {f"worker-{i}" for i in range(4)}
     assert all(w["healthy"] and w["circuit"] == "closed" for w in ws)
-    probe = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text(1, 50)}]}).encode()
+    probe = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": text(1, 50)}]}
+    ).encode()
     status, _, body = post(url + "/debug/route", probe, {"authorization": f"Bearer {ADMIN_KEY}"})
     d = json.loads(body)
     assert status == 200 and d["worker"].startswith("worker-") and len(d["candidates"]) == 4
@@ -169,7 +253,9 @@ def test_two_replicas_make_the_same_decisions_for_the_same_index(stack: Stack) -
         def decisions(url: str) -> list[tuple[str, int]]:
             out = []
             for body in probes:
-                _, _, data = post(url + "/debug/route", body, {"authorization": f"Bearer {ADMIN_KEY}"})
+                _, _, data = post(
+                    url + "/debug/route", body, {"authorization": f"Bearer {ADMIN_KEY}"}
+                )
                 d = json.loads(data)
                 out.append((d["worker"], d["matched_tokens"]))
             return out
@@ -194,10 +280,16 @@ def test_saturated_hot_prefix_holder_loses_traffic_to_idle_workers(tmp_path: Pat
         shared = text(7, 1500)
 
         def one(i: int) -> tuple[str, int, int]:
-            r = c.completions.with_raw_response.create(model=MODEL, prompt=shared + " " + text(1000 + i, 500), max_tokens=4)
+            r = c.completions.with_raw_response.create(
+                model=MODEL, prompt=shared + " " + text(1000 + i, 500), max_tokens=4
+            )
             u = r.parse().usage
             assert u is not None and u.prompt_tokens_details is not None
-            return r.headers["x-kvroute-worker"], u.prompt_tokens_details.cached_tokens or 0, u.prompt_tokens
+            return (
+                r.headers["x-kvroute-worker"],
+                u.prompt_tokens_details.cached_tokens or 0,
+                u.prompt_tokens,
+            )
 
         one(-1)  # one worker holds the hot prefix
         with concurrent.futures.ThreadPoolExecutor(24) as pool:
@@ -220,12 +312,18 @@ def test_killed_worker_is_avoided_and_unstarted_requests_are_retried(tmp_path: P
         # follow-ups prefer the holder (its prefix is indexed) yet must all succeed elsewhere
         seen = []
         for i in range(12):
-            r = c.completions.with_raw_response.create(model=MODEL, prompt=prompt + f" {i}", max_tokens=2)
+            r = c.completions.with_raw_response.create(
+                model=MODEL, prompt=prompt + f" {i}", max_tokens=2
+            )
             assert r.parse().choices[0].text is not None
             seen.append((time.monotonic() - killed_at, r.headers["x-kvroute-worker"]))
         assert all(w != holder for _, w in seen)
         _, metrics = get(stack.gateway_urls[0] + "/metrics")
-        retried = [line for line in metrics.decode().splitlines() if line.startswith("kvroute_retries_total") and holder in line]
+        retried = [
+            line
+            for line in metrics.decode().splitlines()
+            if line.startswith("kvroute_retries_total") and holder in line
+        ]
         assert retried, "the request that met the dead worker was retried"
         ws = {w["worker_id"]: w for w in stack.workers()}
         assert not ws[holder]["healthy"]
@@ -258,7 +356,7 @@ def test_redis_killed_and_restarted_mid_run_loses_no_request(tmp_path: Path) -> 
         assert not errors and done == 80
         # after Redis returns the gateway resynchronises (agents re-register, index rebuilt)
         stack.wait_ready(timeout=30)
-        status, body = get(stack.gateway_urls[0] + "/metrics")
+        _, body = get(stack.gateway_urls[0] + "/metrics")
         assert b"kvroute_redis_connected 1.0" in body
 
 
@@ -267,7 +365,10 @@ def test_no_healthy_worker_is_503_with_retry_after(tmp_path: Path) -> None:
         stack.fault(0, "kill")
         deadline = time.monotonic() + 10
         while True:
-            status, headers, data = post(stack.gateway_urls[0] + "/v1/completions", json.dumps({"model": MODEL, "prompt": "hello"}).encode())
+            status, headers, data = post(
+                stack.gateway_urls[0] + "/v1/completions",
+                json.dumps({"model": MODEL, "prompt": "hello"}).encode(),
+            )
             if status == 503:
                 break
             assert status == 502 and time.monotonic() < deadline, (status, data)
@@ -294,5 +395,9 @@ def test_api_keys_and_multiprocess_gateway(tmp_path: Path) -> None:
         _, body = get(url + "/metrics")
         line = next(x for x in body.decode().splitlines() if x.startswith("kvroute_requests_total"))
         assert line  # aggregated across processes
-        total = sum(float(x.rsplit(" ", 1)[1]) for x in body.decode().splitlines() if x.startswith("kvroute_requests_total"))
+        total = sum(
+            float(x.rsplit(" ", 1)[1])
+            for x in body.decode().splitlines()
+            if x.startswith("kvroute_requests_total")
+        )
         assert total >= 8

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -41,7 +42,11 @@ def body(**kw: object) -> bytes:
         (body(model="m", messages=[{}], max_tokens=True), "chat", "invalid_type"),
         (body(model="m", messages=[{}], temperature="hot"), "chat", "invalid_type"),
         (body(model="m", messages=[{}], n=0), "chat", "invalid_value"),
-        (body(model="m", messages=[{}], stream_options={"include_usage": 1}), "chat", "invalid_type"),
+        (
+            body(model="m", messages=[{}], stream_options={"include_usage": 1}),
+            "chat",
+            "invalid_type",
+        ),
         (body(model="m"), "completion", "missing_field"),
         (body(model="m", prompt=[]), "completion", "invalid_type"),
         (body(model="m", prompt=[1, -2]), "completion", "invalid_type"),
@@ -62,7 +67,13 @@ def test_bad_bodies_are_400_with_a_code(raw: bytes, kind: str, code: str) -> Non
 
 
 def test_good_bodies_parse_and_unknown_fields_survive() -> None:
-    raw = body(model="m", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=7, vendor_x={"a": 1})
+    raw = body(
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        max_tokens=7,
+        vendor_x={"a": 1},
+    )
     r = parse_body(raw, "chat")
     assert r.stream and r.max_tokens == 7 and r.raw == raw and not r.include_usage
     again = json.loads(r.with_changes(stream_options={"include_usage": True}))
@@ -82,7 +93,14 @@ def test_context_limit_like_vllm() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=300) | st.recursive(st.none() | st.booleans() | st.integers() | st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c), max_leaves=20).map(lambda v: json.dumps(v).encode()))
+@given(
+    st.binary(max_size=300)
+    | st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(),
+        lambda c: st.lists(c) | st.dictionaries(st.text(), c),
+        max_leaves=20,
+    ).map(lambda v: json.dumps(v).encode())
+)
 def test_fuzzed_bodies_never_raise_anything_but_4xx(raw: bytes) -> None:
     for kind in ("chat", "completion", "generate"):
         try:
@@ -121,6 +139,16 @@ def test_refused_connection_opens_at_once() -> None:
 # -- admission ---------------------------------------------------------------------------------
 
 
+async def until(cond: Callable[[], bool]) -> None:
+    """Yield to the event loop until ``cond()`` holds: the tasks under test run on this
+    loop, so a bounded number of turns is enough; no wall-clock waiting."""
+    for _ in range(1000):
+        if cond():
+            return
+        await asyncio.sleep(0)  # one loop turn, not a timed wait
+    raise AssertionError("condition never held")
+
+
 async def test_admission_priority_full_and_timeout() -> None:
     adm = Admission(max_concurrency=1, queue_size=2, queue_timeout=5.0)
     await adm.acquire()
@@ -132,8 +160,7 @@ async def test_admission_priority_full_and_timeout() -> None:
 
     low = asyncio.create_task(wait("low", 0))
     high = asyncio.create_task(wait("high", 5))
-    while adm.queued < 2:
-        await asyncio.sleep(0)
+    await until(lambda: adm.queued == 2)
     with pytest.raises(ApiError) as full:
         await adm.acquire()
     assert full.value.status == 429
@@ -156,8 +183,7 @@ async def test_admission_cancelled_waiter_gives_its_slot_back() -> None:
     adm = Admission(max_concurrency=1, queue_size=4, queue_timeout=5.0)
     await adm.acquire()
     t = asyncio.create_task(adm.acquire())
-    while not adm.queued:
-        await asyncio.sleep(0)
+    await until(lambda: adm.queued == 1)
     t.cancel()
     with pytest.raises(asyncio.CancelledError):
         await t
@@ -214,17 +240,31 @@ def test_sse_filter_strips_injected_usage_and_keeps_it() -> None:
         assert out == events[0] + events[1] + events[3]
         assert f.done
         u = parse_usage(f.usage)
-        assert u is not None and (u.prompt_tokens, u.cached_tokens, u.completion_tokens) == (10, 8, 2)
+        assert u is not None and (u.prompt_tokens, u.cached_tokens, u.completion_tokens) == (
+            10,
+            8,
+            2,
+        )
     keep = _SseFilter(strip_usage=False)
     assert keep.feed(stream) == stream
 
 
 def test_usage_from_sglang_meta_info() -> None:
     f = _SseFilter(strip_usage=False)
-    f.feed(b'data: {"text":"a","meta_info":{"prompt_tokens":5,"cached_tokens":3,"completion_tokens":1}}\n\ndata: [DONE]\n\n')
+    f.feed(
+        b'data: {"text":"a","meta_info":{"prompt_tokens":5,"cached_tokens":3,"completion_tokens":1}}\n\ndata: [DONE]\n\n'
+    )
     u = parse_usage(f.usage)
     assert u is not None and u.cached_tokens == 3
-    assert parse_usage([{"meta_info": {"prompt_tokens": 2, "cached_tokens": 1}}, {"meta_info": {"prompt_tokens": 3}}]).prompt_tokens == 5  # type: ignore[union-attr]
+    assert (
+        parse_usage(
+            [
+                {"meta_info": {"prompt_tokens": 2, "cached_tokens": 1}},
+                {"meta_info": {"prompt_tokens": 3}},
+            ]
+        ).prompt_tokens
+        == 5
+    )  # type: ignore[union-attr]
     assert parse_usage({"usage": {"prompt_tokens": True}}).prompt_tokens == 0  # type: ignore[union-attr]
 
 
@@ -233,6 +273,11 @@ def test_usage_request_spliced_without_reencoding() -> None:
     creq = parse_body(raw, "chat")
     out = json.loads(_with_usage(raw, creq))
     assert out == {**creq.body, "stream_options": {"include_usage": True}}
-    raw2 = body(model="m", messages=[{"role": "user", "content": "x"}], stream=True, stream_options={"continuous_usage_stats": False})
+    raw2 = body(
+        model="m",
+        messages=[{"role": "user", "content": "x"}],
+        stream=True,
+        stream_options={"continuous_usage_stats": False},
+    )
     out2 = json.loads(_with_usage(raw2, parse_body(raw2, "chat")))
     assert out2["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}

@@ -49,26 +49,34 @@ def indexed_blocks(stack: Stack) -> int:
 def exercise(stack: Stack) -> None:
     """A request through the gateway, then the worker's events must reach the index."""
     c = openai.OpenAI(base_url=stack.gateway_urls[0] + "/v1", api_key="none", max_retries=0)
-    c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "tell me a story " * 40}], max_tokens=2)
+    c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "tell me a story " * 40}], max_tokens=2
+    )
     wait_for(lambda: indexed_blocks(stack) > 0, what="events through Redis into the index")
     _, metrics = get(stack.gateway_urls[0] + "/metrics")
     assert b"kvroute_redis_connected 1.0" in metrics
 
 
 def test_redis_auth_end_to_end(tmp_path: Path) -> None:
-    with Stack(StackConfig(workers=1, speedup=100, redis_password="s3cret-pw", log_dir=tmp_path)) as stack:
+    with Stack(
+        StackConfig(workers=1, speedup=100, redis_password="s3cret-pw", log_dir=tmp_path)
+    ) as stack:
         exercise(stack)
 
 
 def test_redis_tls_and_auth_end_to_end(tmp_path: Path) -> None:
-    cfg = StackConfig(workers=1, speedup=100, redis_password="tls-pw", redis_tls=True, log_dir=tmp_path)
+    cfg = StackConfig(
+        workers=1, speedup=100, redis_password="tls-pw", redis_tls=True, log_dir=tmp_path
+    )
     with Stack(cfg) as stack:
         assert stack.redis_url.startswith("rediss://")
         exercise(stack)
 
 
 def test_wrong_redis_password_is_not_ready_and_says_so(tmp_path: Path) -> None:
-    with Stack(StackConfig(workers=1, speedup=100, redis_password="right", log_dir=tmp_path)) as stack:
+    with Stack(
+        StackConfig(workers=1, speedup=100, redis_password="right", log_dir=tmp_path)
+    ) as stack:
         url = stack.redis_url.replace(":right@", ":wrong@")
         stack.start_gateway(1, redis={"url": url})
         try:
@@ -81,8 +89,12 @@ def test_wrong_redis_password_is_not_ready_and_says_so(tmp_path: Path) -> None:
 
 
 def test_api_keys_rate_limits_and_admin_key(tmp_path: Path) -> None:
-    settings = {"auth": {"api_keys": [{"key": "slow-key", "requests_per_s": 0.5}, {"key": "free-key"}]}}
-    with Stack(StackConfig(workers=1, speedup=100, gateway_settings=settings, log_dir=tmp_path)) as stack:
+    settings = {
+        "auth": {"api_keys": [{"key": "slow-key", "requests_per_s": 0.5}, {"key": "free-key"}]}
+    }
+    with Stack(
+        StackConfig(workers=1, speedup=100, gateway_settings=settings, log_dir=tmp_path)
+    ) as stack:
         base = stack.gateway_urls[0] + "/v1"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key="nope", max_retries=0).models.list()
@@ -106,9 +118,18 @@ def test_clients_cannot_choose_the_upstream(tmp_path: Path) -> None:
             base_url=stack.gateway_urls[0] + "/v1",
             api_key="none",
             max_retries=0,
-            default_headers={"x-kvroute-worker": "http://203.0.113.7:80", "x-forwarded-host": "evil.example", "forwarded": "host=evil"},
+            default_headers={
+                "x-kvroute-worker": "http://203.0.113.7:80",
+                "x-forwarded-host": "evil.example",
+                "forwarded": "host=evil",
+            },
         )
-        r = c.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"worker_url": "http://203.0.113.7", "base_url": "http://evil"})
+        r = c.completions.with_raw_response.create(
+            model=MODEL,
+            prompt="hi",
+            max_tokens=1,
+            extra_body={"worker_url": "http://203.0.113.7", "base_url": "http://evil"},
+        )
         assert r.headers["x-kvroute-worker"] in {"worker-0", "worker-1"}
 
 
@@ -133,7 +154,9 @@ def test_hop_by_hop_and_spoofable_headers_are_not_forwarded() -> None:
         },
     )
     request[REQUEST_ID] = "rid-1"
-    proxy = Proxy(ProxySettings(upstream_api_key="upstream-key"), registry=None, metrics=GatewayMetrics())  # type: ignore[arg-type]
+    proxy = Proxy(
+        ProxySettings(upstream_api_key="upstream-key"), registry=None, metrics=GatewayMetrics()
+    )  # type: ignore[arg-type]
     sent = {k.lower(): v for k, v in proxy._upstream_headers(request).items()}
     assert sent == {
         "user-agent": "pytest",
@@ -147,7 +170,9 @@ def test_hop_by_hop_and_spoofable_headers_are_not_forwarded() -> None:
 
 def test_registrations_outside_the_allow_list_are_refused(tmp_path: Path) -> None:
     settings = {"security": {"allowed_upstreams": ["127.0.0.0/8"]}}
-    with Stack(StackConfig(workers=1, speedup=100, gateway_settings=settings, log_dir=tmp_path)) as stack:
+    with Stack(
+        StackConfig(workers=1, speedup=100, gateway_settings=settings, log_dir=tmp_path)
+    ) as stack:
 
         async def register(info: WorkerInfo) -> None:
             bus = RedisBus(stack.redis_url)
@@ -156,11 +181,15 @@ def test_registrations_outside_the_allow_list_are_refused(tmp_path: Path) -> Non
             finally:
                 await bus.close()
 
-        for wid, url in (("evil-1", "http://203.0.113.9:8000"), ("evil-2", "file:///etc/passwd"), ("evil-3", "http://user:pw@127.0.0.1:1")):
+        for wid, url in (
+            ("evil-1", "http://203.0.113.9:8000"),
+            ("evil-2", "file:///etc/passwd"),
+            ("evil-3", "http://user:pw@127.0.0.1:1"),
+        ):
             asyncio.run(register(WorkerInfo(worker_id=wid, url=url, model=MODEL)))
 
         def refused() -> bool:
-            status, body = get(stack.gateway_urls[0] + "/workers", ADMIN_KEY)
+            _, body = get(stack.gateway_urls[0] + "/workers", ADMIN_KEY)
             return {"evil-1", "evil-2", "evil-3"} <= set(json.loads(body)["rejected_registrations"])
 
         wait_for(refused, what="bad registrations to be refused")
@@ -175,10 +204,14 @@ def test_registrations_outside_the_allow_list_are_refused(tmp_path: Path) -> Non
 @pytest.mark.parametrize("log_prompts", [False, True])
 def test_prompts_are_logged_only_when_asked(tmp_path: Path, log_prompts: bool) -> None:
     settings = {"log": {"log_prompts": log_prompts, "level": "debug"}}
-    with Stack(StackConfig(workers=1, speedup=100, gateway_settings=settings, log_dir=tmp_path)) as stack:
+    with Stack(
+        StackConfig(workers=1, speedup=100, gateway_settings=settings, log_dir=tmp_path)
+    ) as stack:
         marker = "zebra-7731-confidential"
         c = openai.OpenAI(base_url=stack.gateway_urls[0] + "/v1", api_key="none", max_retries=0)
-        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": marker}], max_tokens=1)
+        c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": marker}], max_tokens=1
+        )
         stack.gateways[0].stop()
         log = stack.gateways[0].log_path.read_text()
         assert (marker in log) == log_prompts

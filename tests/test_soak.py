@@ -10,7 +10,16 @@ from loadtest.benchmarks import soak
 
 
 def test_short_soak_is_flat(tmp_path: Path) -> None:
-    args = argparse.Namespace(minutes=1.5, rate=5.0, workers=2, kv_blocks=128, sample=2.0, warmup=0.5, limit=0.05, out_dir=str(tmp_path))
+    args = argparse.Namespace(
+        minutes=1.5,
+        rate=5.0,
+        workers=2,
+        kv_blocks=128,
+        sample=2.0,
+        warmup=0.5,
+        limit=0.05,
+        out_dir=str(tmp_path),
+    )
     r = soak.run(args)
     assert r["failed"] == 0 and r["requests"] > 200, r
     assert r["samples"] >= 30

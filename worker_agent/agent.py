@@ -21,6 +21,7 @@ import aiohttp
 import zmq.asyncio
 from aiohttp import web
 
+from gateway.aio import wait_event
 from gateway.bus import BusError, Cleared, EventBus, WorkerInfo
 from gateway.index import key_digest
 from gateway.keys import BlockKeyer
@@ -36,7 +37,7 @@ from worker_agent.engines.base import (
 )
 from worker_agent.metrics import AgentMetrics
 from worker_agent.pipeline import EventPipeline
-from worker_agent.publisher import Publisher, wait_event
+from worker_agent.publisher import Publisher
 from worker_agent.subscriber import RankSubscriber
 
 __all__ = ["Agent"]
@@ -293,7 +294,11 @@ class Agent:
         async def mirror(_: web.Request) -> web.Response:
             keys = self.mirror_keys()
             return web.json_response(
-                {"worker_id": self.config.worker_id, "blocks": len(keys), "digest": key_digest(keys)}
+                {
+                    "worker_id": self.config.worker_id,
+                    "blocks": len(keys),
+                    "digest": key_digest(keys),
+                }
             )
 
         app = web.Application()

@@ -162,7 +162,8 @@ class RankCanonicaliser:
         """Keys per chain; None for a chain with invalid token ids (counted)."""
         try:
             if len(chains) >= BATCH_KEYS_MIN:
-                return self.keyer.keys_many(chains)
+                many: list[list[int] | None] = list(self.keyer.keys_many(chains))
+                return many
             return [self.keyer.keys(t, b) for t, b in chains]
         except InvalidTokens:
             pass

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gateway.aio import wait_event
 from gateway.bus import (
     PROTOCOL_VERSION,
     BusError,
@@ -299,18 +300,6 @@ class Publisher:
             log.warning("event bus unavailable, buffering events: %s", exc)
         self._connected = ok
         self.metrics.connected.set(1 if ok else 0)
-
-
-async def wait_event(event: asyncio.Event, seconds: float) -> bool:
-    """Wait for ``event`` up to ``seconds``; True if set. (``asyncio.timeout``, not
-    ``wait_for``: on Python 3.11 ``wait_for`` can swallow a cancellation that races its
-    timeout, and a loop that swallows its cancellation never stops.)"""
-    try:
-        async with asyncio.timeout(seconds):
-            await event.wait()
-        return True
-    except TimeoutError:
-        return False
 
 
 def _size(ev: Event) -> int:

@@ -20,7 +20,9 @@ HELP = "fault injection: Redis outage, agent/engine restarts, gaps, dead/stuck w
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
+    p.add_argument(
+        "--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}"
+    )
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--redis-outage", type=float, default=30.0, help="seconds Redis stays down (R1)")
     p.add_argument("--log-dir", default="", help="keep each scenario's process logs here")
@@ -32,7 +34,14 @@ def stack_for(fault: str, workers: int, log_dir: Path | None) -> StackConfig:
     only round robin keeps sending it requests that must time out and open its circuit."""
     if fault == "stuck_worker":
         settings: dict[str, Any] = {"proxy": {"first_byte_timeout": 2.0, "idle_timeout": 3.0}}
-        return StackConfig(workers=workers, speedup=10.0, kv_blocks=2048, policy="round_robin", gateway_settings=settings, log_dir=log_dir)
+        return StackConfig(
+            workers=workers,
+            speedup=10.0,
+            kv_blocks=2048,
+            policy="round_robin",
+            gateway_settings=settings,
+            log_dir=log_dir,
+        )
     return StackConfig(workers=workers, speedup=10.0, kv_blocks=2048, log_dir=log_dir)
 
 
@@ -43,7 +52,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with Stack(stack_for(name, args.workers, log_dir)) as stack:
             params = {"outage_s": args.redis_outage} if name == "redis_outage" else {}
             res = run_fault(name, stack, **params)
-        print(f"{name:<16} ok={res.ok} requests={res.requests} failed={res.failed} broken_streams={res.broken_streams} lost={res.lost} recovery_s={res.recovery_s} {res.detail}", flush=True)
+        print(
+            f"{name:<16} ok={res.ok} requests={res.requests} failed={res.failed} broken_streams={res.broken_streams} lost={res.lost} recovery_s={res.recovery_s} {res.detail}",
+            flush=True,
+        )
         results.append(res)
     out = summary(results)
     out["table"] = [

@@ -40,7 +40,9 @@ HELP = "gateway cost: added latency, tokenization follow-up ratio, proxy through
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--pairs", type=int, default=150, help="direct/routed request pairs per router")
-    p.add_argument("--rate", type=float, default=100.0, help="paced requests/s for the latency test")
+    p.add_argument(
+        "--rate", type=float, default=100.0, help="paced requests/s for the latency test"
+    )
     p.add_argument("--prompt-tokens", type=int, default=8000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seconds", type=float, default=15.0, help="per throughput run")
@@ -72,9 +74,17 @@ async def _ttft(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) 
     raise RuntimeError(f"{url}: stream without a token")
 
 
-async def _added_latency(worker_urls: list[str], routers: dict[str, str], model: str, args: argparse.Namespace) -> dict[str, Any]:
+async def _added_latency(
+    worker_urls: list[str], routers: dict[str, str], model: str, args: argparse.Namespace
+) -> dict[str, Any]:
     rng = random.Random(1)
-    convs = [[{"role": "system", "content": _text(rng, args.prompt_tokens - 100)}, {"role": "user", "content": _text(rng, 60)}] for _ in range(8)]
+    convs = [
+        [
+            {"role": "system", "content": _text(rng, args.prompt_tokens - 100)},
+            {"role": "user", "content": _text(rng, 60)},
+        ]
+        for _ in range(8)
+    ]
     body = {"model": model, "max_tokens": 2, "stream": True, "temperature": 0}
     out: dict[str, Any] = {}
     async with aiohttp.ClientSession() as session:
@@ -82,7 +92,9 @@ async def _added_latency(worker_urls: list[str], routers: dict[str, str], model:
             # warm: each conversation once through the router; learn where it lives
             home: dict[int, str] = {}
             for i, msgs in enumerate(convs):
-                async with session.post(url + "/v1/chat/completions", json={**body, "stream": False, "messages": msgs}) as resp:
+                async with session.post(
+                    url + "/v1/chat/completions", json={**body, "stream": False, "messages": msgs}
+                ) as resp:
                     await resp.read()
                     home[i] = resp.headers.get("x-kvroute-worker", "")
             direct_samples, routed_samples = [], []
@@ -98,7 +110,13 @@ async def _added_latency(worker_urls: list[str], routers: dict[str, str], model:
                 await asyncio.sleep(max(0.0, 2 * gap - (time.perf_counter() - t0)))
             if not direct_samples:  # a peer without the worker header: direct to every worker
                 for k in range(args.pairs):
-                    direct_samples.append(await _ttft(session, worker_urls[k % len(worker_urls)], {**body, "messages": convs[k % len(convs)]}))
+                    direct_samples.append(
+                        await _ttft(
+                            session,
+                            worker_urls[k % len(worker_urls)],
+                            {**body, "messages": convs[k % len(convs)]},
+                        )
+                    )
             q = statistics.quantiles
             d50, r50 = statistics.median(direct_samples), statistics.median(routed_samples)
             d99, r99 = q(direct_samples, n=100)[98], q(routed_samples, n=100)[98]
@@ -111,8 +129,16 @@ async def _added_latency(worker_urls: list[str], routers: dict[str, str], model:
     return out
 
 
-async def _throughput(url: str, model: str, pid: int | None, args: argparse.Namespace) -> dict[str, Any]:
-    body = {"model": model, "max_tokens": 64, "stream": True, "ignore_eos": True, "messages": [{"role": "user", "content": "Say something."}]}
+async def _throughput(
+    url: str, model: str, pid: int | None, args: argparse.Namespace
+) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "max_tokens": 64,
+        "stream": True,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Say something."}],
+    }
     done = 0
     errors = 0
     stop = time.monotonic() + args.seconds
@@ -150,7 +176,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from loadtest.benchmarks import tokenize as tok_bench
 
     log_dir = Path(args.log_dir) if args.log_dir else None
-    cfg = StackConfig(workers=args.workers, speedup=200.0, kv_blocks=65536, max_model_len=65536, log_dir=log_dir)
+    cfg = StackConfig(
+        workers=args.workers, speedup=200.0, kv_blocks=65536, max_model_len=65536, log_dir=log_dir
+    )
     result: dict[str, Any] = {}
     with Stack(cfg) as stack:
         gw = stack.gateway_urls[0]
@@ -158,7 +186,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         routers = {"kvroute": gw}
         sg_pid = None
         if not args.no_sglang:
-            proc, url = sglang_router(stack.worker_urls, "cache_aware", stack.log_dir, name="sglang-bench")
+            proc, url = sglang_router(
+                stack.worker_urls, "cache_aware", stack.log_dir, name="sglang-bench"
+            )
             stack.add_process(proc)
             wait_router_ready(proc, url, len(stack.worker_urls))
             routers["sglang-cache_aware"] = url
@@ -166,9 +196,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lat = asyncio.run(_added_latency(stack.worker_urls, routers, cfg.model, args))
         tput = {"kvroute": asyncio.run(_throughput(gw, cfg.model, gw_pid, args))}
         if "sglang-cache_aware" in routers:
-            tput["sglang-cache_aware"] = asyncio.run(_throughput(routers["sglang-cache_aware"], cfg.model, sg_pid, args))
+            tput["sglang-cache_aware"] = asyncio.run(
+                _throughput(routers["sglang-cache_aware"], cfg.model, sg_pid, args)
+            )
         tput["direct"] = asyncio.run(_throughput(stack.worker_urls[0], cfg.model, None, args))
-    tok = tok_bench.run(argparse.Namespace(tokens=8000, repeats=9, template="deepseek-v3", reply_words=200, user_words=60, seed=7))
+    tok = tok_bench.run(
+        argparse.Namespace(
+            tokens=8000, repeats=9, template="deepseek-v3", reply_words=200, user_words=60, seed=7
+        )
+    )
     kv, sg = lat["kvroute"], lat.get("sglang-cache_aware")
     result = {
         "added_latency_p50_ms": kv["added_latency_p50_ms"],
@@ -184,9 +220,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "throughput": tput,
     }
     if result["sglang_proxy_rps_per_core"] and result["proxy_rps_per_core"]:
-        result["rps_per_core_vs_sglang"] = round(result["proxy_rps_per_core"] / result["sglang_proxy_rps_per_core"], 3)
+        result["rps_per_core_vs_sglang"] = round(
+            result["proxy_rps_per_core"] / result["sglang_proxy_rps_per_core"], 3
+        )
     result["table"] = [
-        {"router": name, "added p50 (ms)": v["added_latency_p50_ms"], "added p99 (ms)": v["added_latency_p99_ms"], "direct TTFT p50 (ms)": v["direct_ttft_p50_ms"], "req/s": tput.get(name, {}).get("rps"), "req/s per core": tput.get(name, {}).get("rps_per_core")}
+        {
+            "router": name,
+            "added p50 (ms)": v["added_latency_p50_ms"],
+            "added p99 (ms)": v["added_latency_p99_ms"],
+            "direct TTFT p50 (ms)": v["direct_ttft_p50_ms"],
+            "req/s": tput.get(name, {}).get("rps"),
+            "req/s per core": tput.get(name, {}).get("rps_per_core"),
+        }
         for name, v in lat.items()
     ]
     result["ok"] = True

@@ -35,7 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--rate", type=float, default=8.0, help="requests/s")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--kv-blocks", type=int, default=256, help="per worker: small, so eviction runs all the time")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=256,
+        help="per worker: small, so eviction runs all the time",
+    )
     p.add_argument("--sample", type=float, default=5.0, help="seconds between samples")
     p.add_argument("--warmup", type=float, default=0.4, help="fraction of the run before measuring")
     p.add_argument("--limit", type=float, default=0.05, help="allowed growth after warm-up")
@@ -68,7 +73,11 @@ def _lag(metrics: bytes) -> float:
 
 
 def _sampler(stack: Stack, every: float, stop: threading.Event, out: list[dict[str, Any]]) -> None:
-    procs = {"gateway": stack.gateways[0], "sim": stack.sim, **{f"agent-{i}": a for i, a in enumerate(stack.agents)}}
+    procs = {
+        "gateway": stack.gateways[0],
+        "sim": stack.sim,
+        **{f"agent-{i}": a for i, a in enumerate(stack.agents)},
+    }
     pids = {name: p.proc.pid for name, p in procs.items() if p is not None and p.proc is not None}
     if stack.redis is not None and stack.redis.proc is not None:
         pids["redis"] = stack.redis.proc.pid
@@ -125,15 +134,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     with Stack(cfg) as stack:
         stop = threading.Event()
-        sampler = threading.Thread(target=_sampler, args=(stack, args.sample, stop, samples), daemon=True)
+        sampler = threading.Thread(
+            target=_sampler, args=(stack, args.sample, stop, samples), daemon=True
+        )
         sampler.start()
         try:
-            dcfg = DriverConfig(stack.gateway_urls[0], cfg.model, "chat", max_duration=duration, drain_timeout=60.0, progress=False, label="soak")
+            dcfg = DriverConfig(
+                stack.gateway_urls[0],
+                cfg.model,
+                "chat",
+                max_duration=duration,
+                drain_timeout=60.0,
+                progress=False,
+                label="soak",
+            )
             result = asyncio.run(run_load(items, dcfg))
         finally:
             stop.set()
             sampler.join(timeout=15)
-    start = next((i for i, s in enumerate(samples) if s["t"] >= args.warmup * duration), len(samples))
+    start = next(
+        (i for i, s in enumerate(samples) if s["t"] >= args.warmup * duration), len(samples)
+    )
     names = sorted(samples[0]["rss_mb"]) if samples else []
     procs = {}
     worst = 0.0
@@ -145,7 +166,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fd_slack = 2.0 / max(1.0, fds[start] if start < len(fds) else fds[-1])
         if n != "sim":
             worst = max(worst, g_rss, g_fds - fd_slack)
-        procs[n] = {"rss_mb_start": rss[start] if start < len(rss) else None, "rss_mb_end": rss[-1], "rss_growth": round(g_rss, 4), "fds_end": int(fds[-1]), "fd_growth": round(g_fds, 4)}
+        procs[n] = {
+            "rss_mb_start": rss[start] if start < len(rss) else None,
+            "rss_mb_end": rss[-1],
+            "rss_growth": round(g_rss, 4),
+            "fds_end": int(fds[-1]),
+            "fd_growth": round(g_fds, 4),
+        }
     blocks = [s["index_blocks"] for s in samples]
     capacity = args.workers * args.kv_blocks
     lags = sorted(s["event_lag_s"] for s in samples)
@@ -162,7 +189,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "event_lag_max_s": lags[-1] if lags else None,
         "processes": procs,
     }
-    out["ok"] = bool(samples) and worst <= args.limit and out["index_blocks_max"] <= capacity and out["failed"] == 0
+    out["ok"] = (
+        bool(samples)
+        and worst <= args.limit
+        and out["index_blocks_max"] <= capacity
+        and out["failed"] == 0
+    )
     out["table"] = [{"process": n, **v} for n, v in procs.items()]
     if args.out_dir:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)

@@ -186,9 +186,54 @@ class SimWorker:
         bs = self.config.cache.block_size
         payloads = {
             "bytes": b"\xc1\xff not msgpack \x00" * 8,
-            "wrong_types": enc([1.0, [{"type": "BlockStored", "block_hashes": "nope", "parent_block_hash": {}, "token_ids": "x", "block_size": "16"}], 0]),
-            "unknown_fields": enc([1.0, [{"type": "BlockRemoved", "block_hashes": [12345], "medium": "GPU", "future_field": [1, 2], "x": {"y": 1}}], 0]),
-            "unknown_parent": enc([1.0, [{"type": "BlockStored", "block_hashes": [987654321], "parent_block_hash": 111222333, "token_ids": list(range(bs)), "block_size": bs, "lora_id": None, "medium": "GPU", "lora_name": None}], 0]),
+            "wrong_types": enc(
+                [
+                    1.0,
+                    [
+                        {
+                            "type": "BlockStored",
+                            "block_hashes": "nope",
+                            "parent_block_hash": {},
+                            "token_ids": "x",
+                            "block_size": "16",
+                        }
+                    ],
+                    0,
+                ]
+            ),
+            "unknown_fields": enc(
+                [
+                    1.0,
+                    [
+                        {
+                            "type": "BlockRemoved",
+                            "block_hashes": [12345],
+                            "medium": "GPU",
+                            "future_field": [1, 2],
+                            "x": {"y": 1},
+                        }
+                    ],
+                    0,
+                ]
+            ),
+            "unknown_parent": enc(
+                [
+                    1.0,
+                    [
+                        {
+                            "type": "BlockStored",
+                            "block_hashes": [987654321],
+                            "parent_block_hash": 111222333,
+                            "token_ids": list(range(bs)),
+                            "block_size": bs,
+                            "lora_id": None,
+                            "medium": "GPU",
+                            "lora_name": None,
+                        }
+                    ],
+                    0,
+                ]
+            ),
             "huge": enc([1.0, [{"type": "AllBlocksCleared"}] * 200_000, 0]),
         }
         if kind == "frames":
