@@ -79,13 +79,26 @@ class CostModel:
         """Predicted TTFT of a request with ``new_tokens`` uncached prompt tokens.
 
         ``queued_tokens`` of prefill are ahead of it; ``running`` sequences decode alongside.
-        The queue's prefill and ours are chunked together, so the quadratic term is paid per
-        chunk, not on the sum.
+        The queue is paid first and ours in later steps: work already scheduled cannot absorb
+        a newcomer (its step has started), so batching them together would underestimate the
+        wait behind an in-flight prefill and draw requests onto it. Each prefill is chunked,
+        so the quadratic term is paid per chunk.
         """
-        total = queued_tokens + max(new_tokens, 1.0)
-        ms = self.chunked_prefill_ms(total)
+        return self.ttft_after(self.own_prefill(new_tokens), queued_tokens, running, kv_usage)
+
+    def own_prefill(self, new_tokens: float) -> tuple[float, int]:
+        """(ms, steps) of a request's own chunked prefill: ``ttft_ms`` split so a policy
+        computes it once per request and match length, not once per worker."""
+        new = max(new_tokens, 1.0)
+        return self.chunked_prefill_ms(new), math.ceil(new / self.params.max_batched_tokens)
+
+    def ttft_after(
+        self, own: tuple[float, int], queued_tokens: float, running: float, kv_usage: float
+    ) -> float:
+        """``ttft_ms`` given the request's ``own_prefill`` and one worker's load."""
+        ms = own[0] + (self.chunked_prefill_ms(queued_tokens) if queued_tokens > 0 else 0.0)
         if running > 0:
-            steps = math.ceil(total / self.params.max_batched_tokens)
+            steps = math.ceil(queued_tokens / self.params.max_batched_tokens) + own[1]
             ms += steps * self.params.decode_overlap * self.decode_step_ms(kv_usage)
         return ms * self.scale
 

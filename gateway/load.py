@@ -65,6 +65,8 @@ class _Worker:
     decoding: int = 0  # our requests streaming tokens
     sent_since_report: int = 0  # our requests sent after the report, still in flight
     sent_tokens_since_report: int = 0  # ... and their prefill tokens, until the first token
+    finished_since_report: int = 0  # our requests the report counted that have finished since
+    prefilled_since_report: int = 0  # ... and prefill tokens of those that got their first token
     requests: set[int] = field(default_factory=set)
 
 
@@ -81,8 +83,9 @@ class LoadTracker:
 
     The merge avoids double counting: the engine's queue already holds our requests that it
     received before its report, so queued prefill work is the larger of (a) our own requests
-    still waiting for a first token and (b) the engine's queue at report time plus our
-    requests sent after the report that still wait for their first token. (a) is exact for a
+    still waiting for a first token and (b) the engine's queue at report time, minus our
+    requests it counted that have been prefilled since, plus our requests sent after the
+    report that still wait for their first token (likewise for running sequences). (a) is exact for a
     single gateway; (b) also sees other gateway replicas' traffic, with the report's delay.
     Reports older than ``report_ttl`` stop counting (``refresh(now)`` demotes them).
     """
@@ -93,7 +96,10 @@ class LoadTracker:
         report_ttl: float = 5.0,
         order_key: Callable[[float, float, float], float] | None = None,
     ) -> None:
-        self.mean_prompt_tokens = mean_prompt_tokens  # used when a report has no token count
+        #: uncached prompt tokens per request, for turning a reported count of waiting requests
+        #: into queued work; learnt from the requests sent (an average over recent ones)
+        self.mean_prompt_tokens = mean_prompt_tokens
+        self._sent = 0
         self.report_ttl = report_ttl
         #: sorts busy workers: (queued tokens, running, kv usage) -> key; default: queued tokens
         self.order_key = order_key or (lambda q, r, kv: q)
@@ -105,6 +111,7 @@ class LoadTracker:
         self._busy: list[tuple[float, str]] = []  # (order key, worker), ascending
         self._busy_key: dict[str, tuple[float, str]] = {}
         self._expiry: deque[tuple[float, str, int]] = deque()  # report freshness deadlines
+        self._last_sent: dict[str, float] = {}  # worker -> when it was last sent a request
         self._sorted_workers: list[str] | None = None
 
     # -- membership -------------------------------------------------------------------------
@@ -120,6 +127,7 @@ class LoadTracker:
         if w is None:
             return
         self._unplace(worker, w.view)
+        self._last_sent.pop(worker, None)
         for rid in w.requests:
             self._req.pop(rid, None)
         self._sorted_workers = None
@@ -150,6 +158,8 @@ class LoadTracker:
         w.report_version += 1
         w.sent_since_report = 0
         w.sent_tokens_since_report = 0
+        w.finished_since_report = 0
+        w.prefilled_since_report = 0
         self._expiry.append((now + self.report_ttl, worker, w.report_version))
         self._update(worker, w)
 
@@ -160,6 +170,10 @@ class LoadTracker:
         self._next_id += 1
         w = self._w[worker]
         self._req[rid] = _Inflight(worker, prefill_tokens, w.report_version)
+        self._last_sent[worker] = now
+        self._sent += 1
+        alpha = max(0.02, 1.0 / self._sent)  # a plain mean at first, then recent requests
+        self.mean_prompt_tokens += alpha * (prefill_tokens - self.mean_prompt_tokens)
         w.prefill_tokens += prefill_tokens
         w.prefill_requests += 1
         w.sent_since_report += 1
@@ -181,6 +195,8 @@ class LoadTracker:
             w.decoding += 1
             if req.report_version == w.report_version:
                 w.sent_tokens_since_report -= req.prefill_tokens
+            else:  # the report counted it as waiting
+                w.prefilled_since_report += req.prefill_tokens
             self._update(req.worker, w)
         return True
 
@@ -200,6 +216,10 @@ class LoadTracker:
             w.sent_since_report -= 1
             if not req.first_token:
                 w.sent_tokens_since_report -= req.prefill_tokens
+        else:  # the report counted it
+            w.finished_since_report += 1
+            if not req.first_token:
+                w.prefilled_since_report += req.prefill_tokens
         w.requests.discard(rid)
         self._update(req.worker, w)
 
@@ -233,6 +253,10 @@ class LoadTracker:
     def busy_by_key(self) -> Iterator[tuple[float, str]]:
         """Busy workers as (order key, worker), by increasing key."""
         return iter(self._busy)
+
+    def last_sent(self, worker: str) -> float:
+        """When ``worker`` was last sent a request (-inf: never)."""
+        return self._last_sent.get(worker, float("-inf"))
 
     def inflight(self, worker: str) -> int:
         w = self._w.get(worker)
@@ -268,9 +292,12 @@ class LoadTracker:
                 engine_q = float(rep.waiting_prefill_tokens)
             else:
                 engine_q = rep.waiting * self.mean_prompt_tokens
+            # the report, minus what we know left it since, plus what we sent since
+            engine_q = max(0.0, engine_q - w.prefilled_since_report)
+            engine_r = max(0, rep.running + rep.waiting - w.finished_since_report)
             view = LoadView(
                 max(local_q, engine_q + w.sent_tokens_since_report),
-                max(local_r, float(rep.running + rep.waiting + w.sent_since_report)),
+                max(local_r, float(engine_r + w.sent_since_report)),
                 rep.kv_usage,
             )
         old = w.view

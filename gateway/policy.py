@@ -18,6 +18,7 @@ from typing import Any, ClassVar, TypeVar
 
 from gateway.costmodel import CostModel
 from gateway.load import LoadTracker, LoadView
+from gateway.popularity import PrefixPopularity
 
 __all__ = [
     "CandidateScore",
@@ -137,10 +138,11 @@ class PoolView:
 
 @dataclass
 class PolicyContext:
-    """Shared, per-pool inputs: the cost model and a seeded random source."""
+    """Shared, per-pool inputs: the cost model, a seeded random source, prefix popularity."""
 
     cost: CostModel = field(default_factory=CostModel)
     rng: random.Random = field(default_factory=random.Random)
+    popularity: PrefixPopularity = field(default_factory=PrefixPopularity)
     now: float = 0.0
 
 

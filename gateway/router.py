@@ -112,10 +112,14 @@ class Router:
         self.ctx.now = now
         request = RouteRequest(keys, prompt_tokens, self.block_size, session_key)
         decision = self.policy.choose(request, pool, self.ctx, explain)
-        if self.speculate and not dry_run and keys:
-            index.speculate(
-                decision.worker, keys, now, start=decision.matched_tokens // self.block_size
-            )
+        if not dry_run:
+            if pool.levels:  # the prefix this request shares with the cluster's caches
+                self.ctx.popularity.observe(keys[pool.levels[0][0] - 1], now)
+            else:
+                self.ctx.popularity.observe_request(now)
+            if self.speculate and keys:
+                start = decision.matched_tokens // self.block_size
+                index.speculate(decision.worker, keys, now, start=start)
         return decision
 
     def started(self, decision: Decision, prompt_tokens: int, now: float) -> Ticket:

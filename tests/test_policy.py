@@ -199,6 +199,7 @@ def test_inflight_accounting_and_engine_reports() -> None:
     loads = LoadTracker(mean_prompt_tokens=1000, report_ttl=5.0)
     rid = loads.started("w0", 500, now=0.0)
     assert loads.view("w0").queued_prefill_tokens == 500
+    assert loads.mean_prompt_tokens == 500  # learnt from what is sent
     assert loads.first_token(rid) and not loads.first_token(rid)
     v = loads.view("w0")
     assert v.queued_prefill_tokens == 0 and v.running == 1
@@ -207,16 +208,25 @@ def test_inflight_accounting_and_engine_reports() -> None:
     # another replica's traffic shows up through the engine report
     loads.report("w0", EngineReport(running=4, waiting=3, kv_usage=0.5), now=1.0)
     v = loads.view("w0")
-    assert v.queued_prefill_tokens == 3000 and v.running == 7 and v.kv_usage == 0.5
-    assert list(loads.busy_by_key()) == [(3000.0, "w0")]
+    assert v.queued_prefill_tokens == 1500 and v.running == 7 and v.kv_usage == 0.5
+    assert list(loads.busy_by_key()) == [(1500.0, "w0")]
     # our requests sent after the report count until they are served, not longer
-    r2 = loads.started("w0", 700, now=1.5)
-    assert loads.view("w0").queued_prefill_tokens == 3700
+    r2 = loads.started("w0", 500, now=1.5)
+    assert loads.view("w0").queued_prefill_tokens == 2000
     loads.first_token(r2)
-    assert loads.view("w0").queued_prefill_tokens == 3000 and loads.view("w0").running == 8
+    assert loads.view("w0").queued_prefill_tokens == 1500 and loads.view("w0").running == 8
     loads.finished(r2)
     assert loads.view("w0").running == 7
+    # our requests the report counted leave its figures as soon as they are served
+    r3 = loads.started("w0", 500, now=2.0)
+    loads.report("w0", EngineReport(running=0, waiting=1, kv_usage=0.1), now=2.1)
+    assert loads.view("w0").queued_prefill_tokens == 500 and loads.view("w0").running == 1
+    loads.first_token(r3)
+    loads.finished(r3)
+    assert loads.view("w0").idle, loads.view("w0")
     # a stale report stops counting
+    loads.report("w0", EngineReport(running=2, waiting=0, kv_usage=0.1), now=3.0)
+    assert not loads.view("w0").idle
     loads.refresh(100.0)
     assert loads.view("w0").idle
     loads.check_invariants()
@@ -277,3 +287,66 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
     allowed = {c.worker for c in near if c.matched_tokens == top}
     assert fast.worker in allowed
     assert fast.matched_tokens == req.matched_tokens(matches.get(fast.worker, 0))
+
+
+def test_prefix_popularity_decays_and_stays_bounded() -> None:
+    from gateway.popularity import PrefixPopularity
+
+    pop = PrefixPopularity(half_life=10.0)
+    for i in range(30):
+        pop.observe(1, float(i))
+        if i % 3 == 0:
+            pop.observe(2, float(i))
+    assert 0.7 < pop.share(1, 30.0) < 0.8 and 0.2 < pop.share(2, 30.0) < 0.3
+    assert pop.weight(1, 40.0) == pytest.approx(pop.weight(1, 30.0) / 2)
+    assert pop.share(99, 30.0) == 0.0
+    for k in range(5000):  # one-off prefixes are forgotten as they decay: memory bounded
+        pop.observe(1000 + k, 30.0 + k)
+    assert len(pop) < 2100
+
+
+def test_ttft_replicates_a_hot_prefix_to_every_worker() -> None:
+    r = router(seed=5)
+    base, _ = prompt(7, 6000)
+    reasons: Counter[str] = Counter()
+    holders: set[str] = set()
+    for i in range(60):
+        toks = base + prompt(1000 + i, 64)[0]
+        d = r.route(KEYER.keys(toks), len(toks), now=i * 0.1)
+        t = r.started(d, len(toks), now=i * 0.1)
+        reasons[d.reason] += 1
+        holders.add(d.worker)
+        if i % 2:  # keep a few in flight so holders are busy
+            r.first_token(t, now=i * 0.1)
+            r.finished(t, now=i * 0.1)
+    assert holders == set(WORKERS)
+    assert reasons["replicate"] == len(WORKERS) - 1  # one cold prefill per extra holder, no more
+
+
+def test_a_conversations_own_prefix_is_never_replicated() -> None:
+    r = router(seed=6)
+    reasons: Counter[str] = Counter()
+    for conv in range(40):  # many conversations, each its own prefix, each a small share
+        msgs, _ = prompt(conv, 2000)
+        for turn in range(4):
+            msgs = msgs + prompt(100 * conv + turn, 64)[0]
+            d = r.route(KEYER.keys(msgs), len(msgs), now=conv + turn * 0.01)
+            t = r.started(d, len(msgs), now=conv + turn * 0.01)
+            reasons[d.reason] += 1
+            if turn % 2:
+                r.first_token(t, now=conv)
+    assert reasons["replicate"] == 0
+
+
+def test_equal_workers_take_turns() -> None:
+    """Ties go to the worker that waited longest: cold requests to idle workers cycle."""
+    r = router(seed=9)
+    picks = []
+    for i in range(8):
+        toks, keys = prompt(5000 + i, 320)
+        d = r.route(keys, len(toks), now=float(i))
+        t = r.started(d, len(toks), now=float(i))
+        r.first_token(t, now=float(i))
+        r.finished(t, now=float(i))
+        picks.append(d.worker)
+    assert sorted(picks[:4]) == WORKERS and picks[4:] == picks[:4]

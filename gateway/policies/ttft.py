@@ -9,16 +9,29 @@ prefill; at low concurrency idle workers tie and the tie is broken at random (ne
 
 ``compute_weight`` adds the cluster's side of the bill: prefill time spent on uncached tokens
 is time that worker cannot serve others, so among near-equal TTFTs the one that reuses more
-cache wins. Near-ties (within ``tie_ms`` or ``tie_ratio``) go to the longest match, then to a
-uniformly random worker among them.
+cache wins. Near-ties (within ``tie_ms`` or ``tie_ratio``) go to the longest match, then to
+the worker that has waited longest for a request (round robin among equals; random among
+workers never used), never to "worker 0".
 
-Cost: the workers holding a prefix are scored one by one (there are few); the others all
-need the full prefill, so idle ones are interchangeable (one score for all) and busy ones are
-visited by increasing queue until a lower bound shows no later one can win. A decision
-touches a handful of workers whatever the pool size.
+Hot prefixes are replicated: a prefix that carries a share ``s`` of the traffic warrants
+about ``replication × s × workers`` holders (``gateway/popularity.py``). While it has fewer
+and its best holder is busy, the request goes to the best non-holder instead (reason
+``replicate``). Only sustained demand counts (``min_requests`` recent requests, decayed): a
+burst of siblings sharing a new prefix stays together, as speculation intends: one cold prefill that every later request sharing the prefix profits from,
+which a per-request cost alone never pays. A conversation's own prefix (a tiny share) never
+replicates; one system prompt on every request ends up on every worker.
+
+Cost: workers with the same match length and load are interchangeable, so idle ones are
+scored once per match length, and busy ones are visited by increasing lower bound
+(``CostModel.queue_key``) until the bound shows no later one can win; at most
+``max_scored`` busy workers are scored per match length (later ones of that length have
+larger bounds, so they could only tie). A decision touches a few dozen workers at most,
+whatever the pool size.
 """
 
 from __future__ import annotations
+
+import math
 
 from gateway.policy import (
     CandidateScore,
@@ -34,16 +47,25 @@ from gateway.policy import (
 @register
 class PredictedTTFT(Policy):
     name = "ttft"
-    REASONS = ("single", "cold", "cache", "balance")
+    REASONS = ("single", "cold", "cache", "balance", "replicate")
 
     def __init__(
-        self, compute_weight: float = 0.5, tie_ms: float = 1.0, tie_ratio: float = 0.02
+        self,
+        compute_weight: float = 1.5,
+        tie_ms: float = 1.0,
+        tie_ratio: float = 0.02,
+        replication: float = 1.0,
+        min_requests: float = 8.0,
+        max_scored: int = 16,
     ) -> None:
-        if compute_weight < 0 or tie_ms < 0 or tie_ratio < 0:
-            raise ValueError("compute_weight, tie_ms and tie_ratio must be >= 0")
+        if compute_weight < 0 or tie_ms < 0 or tie_ratio < 0 or replication < 0:
+            raise ValueError("compute_weight, tie_ms, tie_ratio and replication must be >= 0")
         self.compute_weight = compute_weight
         self.tie_ms = tie_ms
         self.tie_ratio = tie_ratio
+        self.replication = replication
+        self.min_requests = min_requests
+        self.max_scored = max_scored  # busy workers scored per match length (0: all)
 
     def choose(
         self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, explain: bool = False
@@ -96,30 +118,33 @@ class PredictedTTFT(Policy):
         scored: list[tuple[float, str, int, float]] = []
         limit = best + max(tie_ms, best * tie_ratio)
         min_base = min((bases[m] for m in busy_at), default=float("inf"))
-        cache: dict[tuple[float, float, float, int], tuple[float, float]] = {}
+        own = {m: cost.own_prefill(prompt - m) for m in floors}
+        scored_at: dict[int, int] = {}
+        cap = self.max_scored if not explain else 0
         view = pool.view
         for key, w in pool.busy_by_key():
             bound = key * scale
             if not explain and min_base + bound > limit:
                 break
             m = level_of.get(w, 0)
-            left = busy_at[m] - 1
-            if left:
+            left = busy_at.get(m, 0) - 1
+            if left < 0:  # this match length is done (all seen, or enough scored)
+                continue
+            n = scored_at.get(m, 0) + 1
+            scored_at[m] = n
+            if left and n != cap:
                 busy_at[m] = left
-            else:
+            else:  # later workers of this length have larger bounds: they could only tie
                 del busy_at[m]
                 min_base = min((bases[x] for x in busy_at), default=float("inf"))
             if not explain and bases[m] + bound > limit:
                 continue
             v = view(w)
-            state = (v.queued_prefill_tokens, v.running, v.kv_usage, m)
-            hit = cache.get(state)
-            if hit is None:
-                t = cost.ttft_ms(state[0], prompt - m, state[1], state[2])
-                hit = cache[state] = (t + floors[m], t)
-            scored.append((hit[0], w, m, hit[1]))
-            if hit[0] < best:
-                best = hit[0]
+            t = cost.ttft_after(own[m], v.queued_prefill_tokens, v.running, v.kv_usage)
+            s = t + floors[m]
+            scored.append((s, w, m, t))
+            if s < best:
+                best = s
                 limit = best + max(tie_ms, best * tie_ratio)
 
         near = [e for e in scored if e[0] <= limit]
@@ -128,13 +153,19 @@ class PredictedTTFT(Policy):
         ties = [e[1] for e in near if e[2] == top]
         if top in near_idle:
             ties.extend(idle_at[top])
-        pick = ctx.rng.choice(ties)
+        pick = self._tie_break(ties, pool, ctx)
         matched = level_of.get(pick, 0)
         if pick in idle_pos:
             ttft = idle_score[matched][1]
         else:
             ttft = next(e[3] for e in scored if e[1] == pick)
         best_match = mt(pool.levels[0][0]) if pool.levels else 0
+        replica = self._replica(request, pool, ctx, pick) if self.replication else None
+        if replica is not None:
+            pick, matched = replica, level_of.get(replica, 0)
+            v = pool.view(replica)
+            ttft = cost.ttft_ms(v.queued_prefill_tokens, prompt - matched, v.running, v.kv_usage)
+            return Decision(pick, self.name, "replicate", matched, ttft, ())
         if len(pool.workers) == 1:
             reason = "single"
         elif best_match == 0:
@@ -149,3 +180,40 @@ class PredictedTTFT(Policy):
                 scored.extend((idle_score[m][0], w, m, idle_score[m][1]) for w in ws)
             cands = tuple(CandidateScore(w, m, t, s) for s, w, m, t in scored)
         return Decision(pick, self.name, reason, matched, ttft, cands)
+
+    @staticmethod
+    def _tie_break(ties: list[str], pool: PoolView, ctx: PolicyContext) -> str:
+        """Among equally good workers, the one that has waited longest for a request; a coin
+        toss among those never sent one. Round robin among equals spaces each worker's
+        arrivals evenly, which queues less than independent random picks."""
+        if len(ties) == 1:
+            return ties[0]
+        last = pool.loads.last_sent
+        oldest = min(map(last, ties))
+        return ctx.rng.choice([w for w in ties if last(w) == oldest])
+
+    def _replica(self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, pick: str) -> str | None:
+        """A non-holder to receive a hot prefix, if it warrants more holders than it has."""
+        if not pool.levels or pool.view(pick).idle:
+            return None
+        depth, holders = pool.levels[0]
+        if pick not in holders or depth > len(request.keys):
+            return None
+        key = request.keys[depth - 1]
+        pop = ctx.popularity
+        if pop.weight(key, ctx.now) < self.min_requests:  # a burst, not sustained demand
+            return None
+        n = len(pool.workers)
+        if len(holders) >= min(n, math.ceil(pop.share(key, ctx.now) * n * self.replication - 1e-9)):
+            return None
+        held = set(holders)
+        idle = [w for w in pool.idle() if w not in held]
+        if idle:
+            return ctx.rng.choice(idle)
+        busy = pool.view(pick)
+        mine = (busy.running, busy.queued_prefill_tokens)
+        for _, w in pool.busy_by_key():  # the least loaded non-holder, if lighter than the pick
+            if w not in held:
+                v = pool.view(w)
+                return w if (v.running, v.queued_prefill_tokens) < mine else None
+        return None

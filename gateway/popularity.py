@@ -1,0 +1,67 @@
+"""How much of the traffic each shared prefix carries (decayed request rates).
+
+A prefix that every request shares (one system prompt, a hot document) cannot be served well
+by one worker however cheap its cache hits are: its holder's queue grows while the others
+idle. It should live on about ``share × workers`` workers, and the one-time prefill that puts
+it on another worker is an investment every later request benefits from — something a
+per-request cost cannot see. The router records, for every decision, the canonical key at
+the end of the request's longest cached prefix; the policy reads that prefix's share of
+recent traffic to decide how many holders it warrants.
+
+Rates decay exponentially (``half_life`` seconds), so shares follow the traffic. Pure: time
+is an argument. Memory is bounded by the prefixes seen in the last few half-lives; pruning is
+amortised (when the table has doubled since the last prune).
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["PrefixPopularity"]
+
+
+class PrefixPopularity:
+    def __init__(self, half_life: float = 20.0, floor: float = 0.01) -> None:
+        if half_life <= 0:
+            raise ValueError("half_life must be > 0")
+        self.half_life = half_life
+        self.floor = floor  # decayed weight below which a prefix is forgotten
+        self._rate = math.log(2) / half_life
+        self._w: dict[int, tuple[float, float]] = {}  # key -> (weight, at)
+        self._total = (0.0, 0.0)
+        self._prune_at = 1024
+
+    def _decayed(self, entry: tuple[float, float], now: float) -> float:
+        w, at = entry
+        return w * math.exp(-self._rate * (now - at)) if now > at else w
+
+    def observe(self, key: int, now: float) -> None:
+        """One request shared the prefix that ends with ``key``."""
+        self._w[key] = (self._decayed(self._w.get(key, (0.0, now)), now) + 1.0, now)
+        self._total = (self._decayed(self._total, now) + 1.0, now)
+        if len(self._w) >= self._prune_at:
+            self._prune(now)
+
+    def observe_request(self, now: float) -> None:
+        """A request that shared no prefix (it still counts in the total)."""
+        self._total = (self._decayed(self._total, now) + 1.0, now)
+
+    def weight(self, key: int, now: float) -> float:
+        """Recent requests (exponentially decayed) that shared the prefix ending with ``key``."""
+        entry = self._w.get(key)
+        return 0.0 if entry is None else self._decayed(entry, now)
+
+    def share(self, key: int, now: float) -> float:
+        """Fraction of recent requests that shared the prefix ending with ``key``."""
+        entry = self._w.get(key)
+        total = self._decayed(self._total, now)
+        if entry is None or total <= 0:
+            return 0.0
+        return min(1.0, self._decayed(entry, now) / total)
+
+    def __len__(self) -> int:
+        return len(self._w)
+
+    def _prune(self, now: float) -> None:
+        self._w = {k: e for k, e in self._w.items() if self._decayed(e, now) >= self.floor}
+        self._prune_at = max(1024, 2 * len(self._w))
