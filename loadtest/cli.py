@@ -153,15 +153,13 @@ def compare_config(args: argparse.Namespace) -> CompareConfig:
 def _compare(args: argparse.Namespace) -> int:
     cfg = compare_config(args)
     cfg.progress = not args.json
-    bound = None
-    if not cfg.capacity_rps or True:
-        from loadtest import clustersim  # the offline simulator estimates both figures
+    # the offline simulator, same routing core and engine model: the pooled-cache bound, and
+    # the cluster's capacity unless given (the loads are fractions of it)
+    from loadtest.simulate import for_comparison
 
-        est = clustersim.for_comparison(cfg)
-        if not cfg.capacity_rps:
-            cfg.capacity_rps = est["capacity_rps"]
-        bound = est["bound_hit_rate"]
-    report = run_compare(cfg, bound_hit_rate=bound)
+    reference = for_comparison(cfg)
+    cfg.capacity_rps = reference["capacity_rps"]
+    report = run_compare(cfg, bound_hit_rate=reference["bound_hit_rate"], reference=reference)
     slim = {
         **report,
         "results": [

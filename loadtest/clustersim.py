@@ -84,7 +84,6 @@ __all__ = [
     "SimResult",
     "TokenKeys",
     "estimate_capacity",
-    "for_comparison",
     "native_rate",
     "pooled_bound",
     "pooled_config",
@@ -877,17 +876,6 @@ class ClusterSim:
 
 
 # -- entry points -----------------------------------------------------------------------------
-
-
-def for_comparison(cfg: Any) -> dict[str, Any]:
-    """Bound and capacity for a ``loadtest.compare.CompareConfig``.
-
-    A shim for ``loadtest.cli``: the work (tokenizing the workload, then this module's
-    functions) is ``loadtest.simulate.for_comparison``.
-    """
-    from loadtest.simulate import for_comparison as impl
-
-    return impl(cfg)
 
 
 def simulate(

@@ -116,7 +116,9 @@ def _delta(
     return out
 
 
-def run_compare(cfg: CompareConfig, bound_hit_rate: float | None = None) -> dict[str, Any]:
+def run_compare(
+    cfg: CompareConfig, bound_hit_rate: float | None = None, reference: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Run every (system, load) pair; write JSON, markdown and plots to ``cfg.out_dir``."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -150,6 +152,7 @@ def run_compare(cfg: CompareConfig, bound_hit_rate: float | None = None) -> dict
         "bound_hit_rate": bound_hit_rate,
         "capacity_rps": cfg.capacity_rps,
         "config": asdict(cfg),
+        "offline_reference": reference,
         "results": results,
     }
     (out / "compare.json").write_text(json.dumps(report, indent=2))

@@ -26,7 +26,7 @@ __all__ = ["add_arguments", "demo_config", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=60.0, help="measured seconds per system")
-    p.add_argument("--rate", type=float, default=6.0, help="requests/s offered to the cluster")
+    p.add_argument("--rate", type=float, default=9.0, help="requests/s offered to the cluster")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--out-dir", default="reports/demo", help="where the report and plots go")
     p.add_argument("--json", action="store_true", help="print the JSON result at the end")
@@ -38,8 +38,8 @@ def demo_config(args: argparse.Namespace) -> CompareConfig:
         params={
             "conversations": 1500,
             "turns": [3, 8],
-            "system_prompts": 8,
-            "system_tokens": 2000,
+            "system_prompts": 12,
+            "system_tokens": 1500,
             "user_tokens": [50, 250],
             "assistant_tokens": [20, 50],
             "think_time": 5.0,
@@ -48,7 +48,7 @@ def demo_config(args: argparse.Namespace) -> CompareConfig:
         capacity_rps=args.rate,
         systems=["kvroute", "kvroute-round_robin"],
         workers=args.workers,
-        kv_blocks=2048,
+        kv_blocks=1024,  # 16k tokens per worker: the working set does not fit, caches evict
         timing="seed-70b",
         speedup=1.0,
         duration=args.duration,
