@@ -258,6 +258,10 @@ class LoadTracker:
         """When ``worker`` was last sent a request (-inf: never)."""
         return self._last_sent.get(worker, float("-inf"))
 
+    def last_sent_map(self) -> dict[str, float]:
+        """Worker -> when it was last sent a request (workers never sent one are absent)."""
+        return self._last_sent
+
     def inflight(self, worker: str) -> int:
         w = self._w.get(worker)
         return 0 if w is None else len(w.requests)

@@ -32,6 +32,7 @@ whatever the pool size.
 from __future__ import annotations
 
 import math
+from itertools import repeat
 
 from gateway.policy import (
     CandidateScore,
@@ -188,9 +189,9 @@ class PredictedTTFT(Policy):
         arrivals evenly, which queues less than independent random picks."""
         if len(ties) == 1:
             return ties[0]
-        last = pool.loads.last_sent
-        oldest = min(map(last, ties))
-        return ctx.rng.choice([w for w in ties if last(w) == oldest])
+        sent = list(map(pool.loads.last_sent_map().get, ties, repeat(float("-inf"))))
+        oldest = min(sent)
+        return ctx.rng.choice([w for w, t in zip(ties, sent, strict=True) if t == oldest])
 
     def _replica(self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, pick: str) -> str | None:
         """A non-holder to receive a hot prefix, if it warrants more holders than it has."""
