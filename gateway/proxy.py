@@ -264,8 +264,12 @@ class Proxy:
                 if resp.status >= 400:
                     return await self._error_response(resp, first, wid)
                 headers = self._client_headers(resp, decision, request)
-                if creq.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
-                    out = _SseResponse(status=resp.status, headers={**headers, "cache-control": "no-cache"})
+                if creq.stream and resp.headers.get("content-type", "").startswith(
+                    "text/event-stream"
+                ):
+                    out = _SseResponse(
+                        status=resp.status, headers={**headers, "cache-control": "no-cache"}
+                    )
                     return await self._stream(request, resp, out, first, pool, wid, inject_usage)
                 data = first + await self._rest(resp, wid)
                 self._count_usage(pool, wid, _json(data))
@@ -330,9 +334,15 @@ class Proxy:
             code="upstream_error",
         )
 
-    def _client_headers(self, resp: aiohttp.ClientResponse, decision: Decision, request: web.Request) -> dict[str, str]:
+    def _client_headers(
+        self, resp: aiohttp.ClientResponse, decision: Decision, request: web.Request
+    ) -> dict[str, str]:
         """The worker's response headers minus hop-by-hop ones, plus the routing headers."""
-        headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP and not k.lower().startswith("x-kvroute-")}
+        headers = {
+            k: v
+            for k, v in resp.headers.items()
+            if k.lower() not in HOP_BY_HOP and not k.lower().startswith("x-kvroute-")
+        }
         headers["x-kvroute-worker"] = decision.worker
         headers["x-kvroute-matched-tokens"] = str(decision.matched_tokens)
         headers["x-kvroute-reason"] = decision.reason

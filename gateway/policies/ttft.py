@@ -193,7 +193,9 @@ class PredictedTTFT(Policy):
         oldest = min(sent)
         return ctx.rng.choice([w for w, t in zip(ties, sent, strict=True) if t == oldest])
 
-    def _replica(self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, pick: str) -> str | None:
+    def _replica(
+        self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, pick: str
+    ) -> str | None:
         """A non-holder to receive a hot prefix, if it warrants more holders than it has."""
         if not pool.levels or pool.view(pick).idle:
             return None
