@@ -383,6 +383,7 @@ class Consumer:
         while not self._stopping:
             try:
                 infos = await self.bus.workers()
+                self._bus_ok()  # before expiring anyone: the grace runs from this reconnection
                 self._update_registry(infos)
                 self._polled = True
                 reports = await self.bus.read_reports(sorted(self._infos))

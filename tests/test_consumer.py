@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterable
 from typing import Any
@@ -247,6 +248,51 @@ async def test_consumer_expires_workers_and_keeps_index_through_outages() -> Non
         await wait_until(lambda: "w" not in c.workers(), 5, "expiry")
         assert removed == ["w"] and "w" not in c.index
         assert c.stats.workers_expired == 1
+
+
+class CountingBus(MemoryBus):
+    """Counts registry reads, so a test can wait for the consumer's next polls."""
+
+    registry_reads = 0
+
+    async def workers(self) -> dict[str, WorkerInfo]:
+        out = await super().workers()
+        self.registry_reads += 1
+        return out
+
+
+async def test_consumer_gives_agents_a_grace_after_redis_comes_back_empty() -> None:
+    """A restarted Redis has lost every registration; agents re-register within a heartbeat.
+    Until the grace after the reconnection is over, nobody is expired (no 503 blip)."""
+    clock = Clock()
+    bus = CountingBus(clock=clock)
+    w = Writer("w")
+    await w.publish(bus, [w.entry([Cleared(), Stored(None, [1, 2])])])
+    await bus.register(WorkerInfo("w", "http://x", "m", epoch=1), ttl=3)
+    grace = 0.5
+    config = ConsumerConfig(
+        block_ms=20, poll_interval=0.02, snapshot_retry=0.02, expiry_grace=grace
+    )
+    removed: list[str] = []
+    async with Consumer(bus, config=config) as c:
+        c.subscribe(lambda kind, worker: removed.append(worker) if kind == "removed" else None)
+        await wait_until(lambda: c.index.worker_keys("w") == {1, 2}, 5, "applied")
+        bus.set_down(True)
+        await wait_until(lambda: not c.stats.connected, 5, "outage seen")
+        clock.t += 10  # the registration is gone when Redis comes back (restarted empty)
+        # the outage outlasts the grace: what is tested is that the grace counts from the
+        # reconnection, so real time must pass here
+        await asyncio.sleep(grace * 1.5)
+        bus.set_down(False)
+        await wait_until(lambda: c.stats.connected, 5, "reconnected")
+        reads = bus.registry_reads
+        await wait_until(lambda: bus.registry_reads >= reads + 5, 5, "polls after reconnect")
+        assert "w" in c.workers() and removed == []
+        await bus.register(WorkerInfo("w", "http://x", "m", epoch=1), ttl=3)  # the heartbeat
+        reads = bus.registry_reads
+        await wait_until(lambda: bus.registry_reads >= reads + 2, 5, "re-registration seen")
+        await asyncio.sleep(grace * 1.5)  # past the grace: still there, because registered
+        assert "w" in c.workers() and removed == [] and c.index.worker_keys("w") == {1, 2}
 
 
 async def test_consumer_drops_old_epoch_on_agent_restart() -> None:
