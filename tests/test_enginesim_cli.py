@@ -111,3 +111,25 @@ def test_bench_sim_smoke() -> None:
         "live, non-streamed",
         "core only, virtual time",
     ]
+
+
+def test_tokenizer_cache_is_bounded_by_its_setting() -> None:
+    """The simulator tokenizes chats with the gateway's incremental cache; a long-running
+    sim (soak, demo) must hold it to ``tokenizer_cache_tokens``, not grow without end."""
+    from loadtest.enginesim.text import load_tokenizer
+
+    cfg = cli.build_config(parse(["--set", "tokenizer_cache_tokens=3000"]))
+    assert cfg.tokenizer_cache_tokens == 3000
+    with pytest.raises(ConfigError, match="tokenizer_cache_tokens"):
+        cli.build_config(parse(["--set", "tokenizer_cache_tokens=0"]))
+    tk = load_tokenizer(None, None, cfg.tokenizer_cache_tokens)
+    assert tk is not None
+    rng = random.Random(5)
+    words = ["alpha", "beta", "gamma", "delta", "kv", "route", "cache"]
+    for conv in range(40):  # many distinct conversations: far more tokens than the bound
+        text = " ".join(rng.choice(words) for _ in range(200))
+        tk.encode_chat(
+            [{"role": "system", "content": f"conv {conv}"}, {"role": "user", "content": text}]
+        )
+    stats = tk.stats
+    assert 0 < stats.tokens_cached <= 3000 and stats.evictions > 0

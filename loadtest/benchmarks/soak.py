@@ -127,8 +127,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         workers=args.workers,
         speedup=20.0,
         kv_blocks=args.kv_blocks,
-        # small enough for the tokenization cache to reach its bound during the warm-up
+        # small enough for the tokenization caches (gateway and simulator) to reach their
+        # bound during the warm-up
         pool_settings={"tokenizer_cache_tokens": 50_000},
+        sim_args=["--set", "tokenizer_cache_tokens=50000"],
         log_dir=Path(args.out_dir) / "logs" if args.out_dir else None,
     )
     samples: list[dict[str, Any]] = []

@@ -53,7 +53,9 @@ class SimCluster:
         cfg = self.config
         tokenizer = self._tokenizer
         if tokenizer is _UNSET:
-            tokenizer = await asyncio.to_thread(load_tokenizer, cfg.tokenizer, cfg.chat_template)
+            tokenizer = await asyncio.to_thread(
+                load_tokenizer, cfg.tokenizer, cfg.chat_template, cfg.tokenizer_cache_tokens
+            )
         codec = TextCodec(tokenizer, cfg.output_text, tokenizer_path(cfg.tokenizer))
         self._zmq = zmq.asyncio.Context()
         n, base = cfg.workers, cfg.base_port

@@ -121,6 +121,7 @@ class SimConfig:
     model: str = "kvroute-sim"
     tokenizer: str | None = None  # tokenizer.json; None = the bundled test tokenizer
     chat_template: str | None = None  # name or path; None = the tokenizer's own or deepseek-v3
+    tokenizer_cache_tokens: int = 4_000_000  # the incremental tokenizer cache's bound (token ids)
     output_text: str = " the"  # what generated tokens spell, repeated
     max_body_bytes: int = 32 * 1024 * 1024
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -129,7 +130,12 @@ class SimConfig:
     events: EventsConfig = field(default_factory=EventsConfig)
 
     def __post_init__(self) -> None:
-        _positive("sim", workers=self.workers, max_body_bytes=self.max_body_bytes)
+        _positive(
+            "sim",
+            workers=self.workers,
+            max_body_bytes=self.max_body_bytes,
+            tokenizer_cache_tokens=self.tokenizer_cache_tokens,
+        )
         if not 0 <= self.base_port <= 65535 - 3 * self.workers:
             raise ValueError(
                 f"base_port {self.base_port} leaves no room for {self.workers} workers"

@@ -35,9 +35,12 @@ def tokenizer_path(path: str | None) -> Path | None:
     return Path(path)
 
 
-def load_tokenizer(path: str | None, chat_template: str | None) -> Tokenizer | None:
+def load_tokenizer(
+    path: str | None, chat_template: str | None, cache_tokens: int = 4_000_000
+) -> Tokenizer | None:
     """The configured tokenizer (see ``tokenizer_path``); the bundled one gets the bundled
-    ``deepseek-v3`` template unless another is named."""
+    ``deepseek-v3`` template unless another is named. ``cache_tokens`` bounds its incremental
+    cache (token ids held)."""
     where = tokenizer_path(path)
     if where is None:
         return None
@@ -45,7 +48,7 @@ def load_tokenizer(path: str | None, chat_template: str | None) -> Tokenizer | N
 
     if path is None:
         chat_template = chat_template or "deepseek-v3"
-    return Tokenizer.load(where, chat_template)
+    return Tokenizer.load(where, chat_template, cache_tokens=cache_tokens)
 
 
 class TextCodec:
