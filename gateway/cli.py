@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -38,7 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # SIGTERM ends a command the way Ctrl-C does, through its cleanup (``finally``, context
+    # managers), so commands that start processes of their own (demo, bench, loadtest
+    # compare) stop them instead of leaving them behind. Servers replace this handler with
+    # their own graceful stop.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     argv = list(sys.argv[1:] if argv is None else argv)
     # Build only the chosen subcommand's parser when one is named (fast, lazy imports).
     if argv and argv[0] in COMMANDS:

@@ -138,15 +138,6 @@ def run_compare(
         log_dir=out / "logs",
     )
     results: list[dict[str, Any]] = []
-    with Stack(stack_cfg) as stack:
-        for system in cfg.systems:
-            for load in cfg.loads:
-                rate = load * cfg.capacity_rps
-                items, warmup = _window(base_items, rate, cfg.duration)
-                res = _run_one(stack, cfg, system, items, warmup, label=f"{system} @ {load:.0%}")
-                res.update({"system": system, "load": load, "rate": round(rate, 3)})
-                results.append(res)
-                print(_row_line(res), flush=True)
     report: dict[str, Any] = {
         "workload": workload.describe(),
         "bound_hit_rate": bound_hit_rate,
@@ -155,8 +146,23 @@ def run_compare(
         "offline_reference": reference,
         "results": results,
     }
-    (out / "compare.json").write_text(json.dumps(report, indent=2))
-    (out / "compare.md").write_text(markdown(report))
+    with Stack(stack_cfg) as stack:
+        for system in cfg.systems:
+            for load in cfg.loads:
+                rate = load * cfg.capacity_rps
+                items, warmup = _window(base_items, rate, cfg.duration, workload.sessions_ramp)
+                row: dict[str, Any] = {"system": system, "load": load, "rate": round(rate, 3)}
+                try:
+                    res = _run_one(stack, cfg, system, items, warmup, f"{system} @ {load:.0%}")
+                except (OSError, TimeoutError, RuntimeError) as exc:
+                    # one system failing (a peer that will not start, workers that will not
+                    # drain) must not cost the runs already done or the systems after it
+                    res = {"error": f"{type(exc).__name__}: {exc}"}
+                row.update(res)
+                results.append(row)
+                print(_row_line(row), flush=True)
+                _write_report(report, out)  # every finished run is on disk at once
+    _write_report(report, out)
     try:
         from loadtest.plots import compare_plots
 
@@ -166,28 +172,42 @@ def run_compare(
     return report
 
 
-def _window(items: list[WorkItem], rate: float, duration: float) -> tuple[list[WorkItem], float]:
+def _write_report(report: dict[str, Any], out: Path) -> None:
+    (out / "compare.json").write_text(json.dumps(report, indent=2))
+    (out / "compare.md").write_text(markdown(report))
+
+
+def _window(
+    items: list[WorkItem], rate: float, duration: float, sessions_ramp: bool = True
+) -> tuple[list[WorkItem], float]:
     """Retime ``items`` so the steady-state request rate is ``rate``; returns (items, warmup).
 
-    Sessions (conversations, agents) start as a Poisson stream and then issue their turns
-    over time, so a run starting from nothing ramps up: the first requests all come from
-    young sessions. Everything is sent from t=0, but only requests scheduled after the
-    warm-up (the median session span) are measured, over ``duration`` seconds.
+    With ``sessions_ramp`` (conversations, agents), sessions start as a Poisson stream and
+    then issue their turns over time, so a run starting from nothing ramps up: the first
+    requests all come from young sessions. Everything is sent from t=0, but only requests
+    scheduled after the warm-up (the median session span) are measured, over ``duration``
+    seconds. Without it (independent requests: shared-prefix groups, traces) the stream's
+    own mean rate is scaled to ``rate`` and there is no warm-up.
     """
     if len(items) < 2:
         return items, 0.0
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    for it in items:
-        first.setdefault(it.session, it.at)
-        last[it.session] = it.at
-    starts = sorted(first.values())
-    span = starts[-1] - starts[0]
-    if span <= 0:
-        return items, 0.0
-    steady = (len(starts) - 1) / span * (len(items) / len(starts))
+    if sessions_ramp:
+        first: dict[str, float] = {}
+        last: dict[str, float] = {}
+        for it in items:
+            first.setdefault(it.session, it.at)
+            last[it.session] = it.at
+        starts = sorted(first.values())
+        span = starts[-1] - starts[0]
+        steady = (len(starts) - 1) / span * (len(items) / len(starts)) if span > 0 else 0.0
+        spans = sorted(last[s] - first[s] for s in first)
+    else:
+        span = items[-1].at - items[0].at
+        steady = (len(items) - 1) / span if span > 0 else 0.0
+        spans = [0.0]
+    if steady <= 0:
+        raise ValueError("the workload's arrivals span no time: cannot retime it to a rate")
     factor = steady / rate
-    spans = sorted(last[s] - first[s] for s in first)
     warmup = spans[len(spans) // 2] * factor
     out = [
         WorkItem(it.index, it.at * factor, it.session, it.segments, it.max_tokens)
@@ -197,20 +217,49 @@ def _window(items: list[WorkItem], rate: float, duration: float) -> tuple[list[W
     return out, warmup
 
 
-def _reset_workers(stack: Stack) -> None:
+#: engine gauges of requests still in a worker (vLLM and SGLang names)
+BUSY_METRICS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+)
+
+
+def _busy_requests(urls: list[str]) -> float:
+    total = 0.0
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            total += _metric(resp.read().decode(), BUSY_METRICS)
+    return total
+
+
+def _reset_workers(stack: Stack, timeout: float = 300.0) -> None:
     """Empty every worker's cache the engine's own way (AllBlocksCleared) and wait for the
-    gateways' indexes to follow."""
+    gateways' indexes to follow.
+
+    An overloaded run (round robin past its capacity) leaves a backlog that the engines
+    work off, or abort as their clients disconnect, after the driver stops; a request still
+    running would cache blocks again after the reset. So: wait until no worker runs or
+    queues a request, then reset, and reset again if blocks came back meanwhile."""
+    deadline = time.monotonic() + timeout
+    while (busy := _busy_requests(stack.worker_urls)) > 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers still busy ({busy:g} requests) {timeout:g}s after a run")
+        time.sleep(0.5)
     path = "/flush_cache" if stack.config.flavor == "sglang" else "/reset_prefix_cache"
-    for url in stack.worker_urls:
-        req = urllib.request.Request(url + path, data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            resp.read()
-    for url in stack.gateway_urls:
-        deadline = time.monotonic() + 30
-        while any(w["index_blocks"] for w in stack.workers(url)):
-            if time.monotonic() > deadline:
-                raise TimeoutError("gateway index not cleared after worker restarts")
+    while True:
+        for url in stack.worker_urls:
+            req = urllib.request.Request(url + path, data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                resp.read()
+        again = time.monotonic() + 10.0
+        while time.monotonic() < again:
+            if not any(w["index_blocks"] for url in stack.gateway_urls for w in stack.workers(url)):
+                return
             time.sleep(0.1)
+        if time.monotonic() > deadline:
+            raise TimeoutError("gateway index not cleared after resetting the workers' caches")
 
 
 def _run_one(
@@ -305,6 +354,10 @@ def _run_one(
 
 
 def _row_line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return (
+            f"{r['system']:<22} load {r['load']:.2f} rate {r['rate']:7.2f}/s  FAILED: {r['error']}"
+        )
     return (
         f"{r['system']:<22} load {r['load']:.2f} rate {r['rate']:7.2f}/s  hit {r['hit_rate']:.3f}  "
         f"ttft p50 {r['ttft_p50_ms']} p99 {r['ttft_p99_ms']} ms  goodput {r['goodput']:.3f}  "
@@ -312,19 +365,24 @@ def _row_line(r: dict[str, Any]) -> str:
     )
 
 
+#: markdown column -> result key
+COLUMNS = {
+    "system": "system",
+    "load": "load",
+    "rate (req/s)": "rate",
+    "hit rate": "hit_rate",
+    "TTFT p50 (ms)": "ttft_p50_ms",
+    "TTFT p99 (ms)": "ttft_p99_ms",
+    "goodput": "goodput",
+    "max/mean load": "max_mean_load",
+    "failed": "failed",
+}
+
+
 def markdown(report: dict[str, Any]) -> str:
     rows = [
-        {
-            "system": r["system"],
-            "load": r["load"],
-            "rate (req/s)": r["rate"],
-            "hit rate": r["hit_rate"],
-            "TTFT p50 (ms)": r["ttft_p50_ms"],
-            "TTFT p99 (ms)": r["ttft_p99_ms"],
-            "goodput": r["goodput"],
-            "max/mean load": r["max_mean_load"],
-            "failed": r["failed"],
-        }
+        {col: r.get(key, "") for col, key in COLUMNS.items()}
+        | ({"failed": f"run failed: {r['error']}"} if "error" in r else {})
         for r in report["results"]
     ]
     head = f"Workload: `{json.dumps(report['workload'])}`\n\n"

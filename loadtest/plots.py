@@ -19,7 +19,9 @@ def _systems(results: list[dict[str, Any]]) -> list[str]:
 
 def compare_plots(report: dict[str, Any], out: Path) -> list[str]:
     """TTFT CDF per system, p50/p99 TTFT vs load, hit rate and load per worker."""
-    results = report["results"]
+    results = [r for r in report["results"] if "error" not in r]  # runs that failed: no data
+    if not results:
+        return []
     systems = _systems(results)
     top = max(r["load"] for r in results)
     at_top = {r["system"]: r for r in results if r["load"] == top}

@@ -31,7 +31,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 __all__ = [
     "AgentWorkload",
@@ -388,6 +388,9 @@ class Workload:
     name = "workload"
     #: "text": prompts are text; "ids": token ids only (trace replay)
     prompt_kind: Literal["text", "ids"] = "text"
+    #: sessions (conversations, agents) start over time and then issue their turns, so a run
+    #: starting from nothing ramps up; False: requests arrive independently at a steady rate
+    sessions_ramp: ClassVar[bool] = False
 
     def items(self) -> Iterator[WorkItem]:
         raise NotImplementedError
@@ -427,6 +430,7 @@ class ChatWorkload(Workload):
     rate: float = 2.0  # conversations started per second
     seed: int = 0
     name: str = "chat"
+    sessions_ramp: ClassVar[bool] = True
 
     def items(self) -> Iterator[WorkItem]:
         rng = random.Random(self.seed)
@@ -472,6 +476,7 @@ class AgentWorkload(Workload):
     rate: float = 1.0  # agents started per second
     seed: int = 0
     name: str = "agent"
+    sessions_ramp: ClassVar[bool] = True
 
     def items(self) -> Iterator[WorkItem]:
         rng = random.Random(self.seed)
