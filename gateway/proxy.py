@@ -233,12 +233,7 @@ class Proxy:
                 async with asyncio.timeout_at(deadline):
                     resp = await self.session.post(entry.url + path, data=body, headers=headers)
             except TimeoutError:
-                self.registry.on_failure(wid, self.clock(), fatal=False)
-                raise _Retry(
-                    "first_byte_timeout",
-                    False,
-                    f"{wid} sent nothing for {self.settings.first_byte_timeout:g}s",
-                ) from None
+                raise self._first_byte_timeout(wid) from None
             except aiohttp.ClientConnectorError as exc:
                 self.registry.on_failure(wid, self.clock(), fatal=True)
                 raise _Retry(
@@ -280,18 +275,23 @@ class Proxy:
             m.inflight.labels(pool.name, wid).dec()
             m.gateway_inflight.dec()
 
+    def _first_byte_timeout(self, wid: str) -> _Retry:
+        """Nothing from ``wid`` before the first-byte deadline: count it against the
+        worker (not fatal: it may be busy, not dead) and retry elsewhere."""
+        self.registry.on_failure(wid, self.clock(), fatal=False)
+        return _Retry(
+            "first_byte_timeout",
+            False,
+            f"{wid} sent nothing for {self.settings.first_byte_timeout:g}s",
+        )
+
     async def _first_chunk(self, resp: aiohttp.ClientResponse, wid: str, deadline: float) -> bytes:
         """The first body bytes, or a retry (the client has not been answered yet)."""
         try:
             async with asyncio.timeout_at(deadline):
                 first = await resp.content.readany()
         except TimeoutError:
-            self.registry.on_failure(wid, self.clock(), fatal=False)
-            raise _Retry(
-                "first_byte_timeout",
-                False,
-                f"{wid} sent nothing for {self.settings.first_byte_timeout:g}s",
-            ) from None
+            raise self._first_byte_timeout(wid) from None
         except (aiohttp.ClientError, OSError) as exc:
             self.registry.on_failure(wid, self.clock(), fatal=False)
             raise _Retry("broken", False, f"{wid} broke before the first byte: {exc!r}") from None

@@ -271,26 +271,31 @@ class Gateway:
 
     # -- handlers ---------------------------------------------------------------------------
 
+    def _pool(self, model: str | None) -> Pool:
+        """The pool serving ``model``, or the OpenAI-shaped error (vLLM's type for 404)."""
+        pool = self.registry.pool_for(model)
+        if pool is not None:
+            return pool
+        if model is None:
+            raise ApiError(
+                400,
+                "'model' is required (this gateway serves several models)",
+                param="model",
+                code="missing_field",
+            )
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist.",
+            "NotFoundError",
+            param="model",
+            code="model_not_found",
+        )
+
     async def generation(self, request: web.Request, kind: Kind, path: str) -> web.StreamResponse:
         client = self.authenticate(request)
         raw = await request.read()
         creq = parse_body(raw, kind)
-        pool = self.registry.pool_for(creq.model)
-        if pool is None:
-            if creq.model is None:
-                raise ApiError(
-                    400,
-                    "'model' is required (this gateway serves several models)",
-                    param="model",
-                    code="missing_field",
-                )
-            raise ApiError(
-                404,
-                f"The model `{creq.model}` does not exist.",
-                "NotFoundError",
-                param="model",
-                code="model_not_found",
-            )
+        pool = self._pool(creq.model)
         request[POOL] = pool.name
         prep = await pool.prepare(creq)
         m = self.metrics
@@ -357,15 +362,7 @@ class Gateway:
         raw = await request.read()
         peek = _peek_kind(raw)
         creq = parse_body(raw, peek)
-        pool = self.registry.pool_for(creq.model)
-        if pool is None:
-            raise ApiError(
-                404,
-                f"The model `{creq.model}` does not exist.",
-                "NotFoundError",
-                param="model",
-                code="model_not_found",
-            )
+        pool = self._pool(creq.model)
         prep = await pool.prepare(creq)
         now = self.clock()
         excluded = self.registry.exclude(pool, now)
