@@ -46,6 +46,14 @@ class FaultResult:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def clean(self) -> bool:
+        """No client request failed that should not have, and nothing diverged."""
+        return self.failed == 0 and self.lost == 0
+
+    def recovered_within(self, seconds: float) -> bool:
+        return self.recovery_s is not None and self.recovery_s <= seconds
+
 
 class BackgroundLoad:
     """Chat traffic at ``rate`` req/s for ``seconds``, in its own thread and event loop."""
@@ -181,9 +189,7 @@ def redis_outage(stack: Stack, outage_s: float = 30.0, rate: float = 4.0) -> Fau
         back = time.monotonic()
         _settle(stack, res, back)
     load.tally(res)
-    res.ok = (
-        res.failed == 0 and res.lost == 0 and res.recovery_s is not None and res.recovery_s <= 5.0
-    )
+    res.ok = res.clean and res.recovered_within(5.0)
     return res
 
 
@@ -199,9 +205,7 @@ def agent_restart(stack: Stack, rate: float = 4.0) -> FaultResult:
         back = time.monotonic()
         _settle(stack, res, back)
     load.tally(res)
-    res.ok = (
-        res.failed == 0 and res.lost == 0 and res.recovery_s is not None and res.recovery_s <= 5.0
-    )
+    res.ok = res.clean and res.recovered_within(5.0)
     return res
 
 
@@ -228,7 +232,7 @@ def engine_restart(stack: Stack, rate: float = 4.0) -> FaultResult:
         )
         _settle(stack, res, t)
     load.tally(res)
-    res.ok = res.failed == 0 and res.lost == 0 and old > 0 and gone is not None and gone <= 2.0
+    res.ok = res.clean and old > 0 and gone is not None and gone <= 2.0
     return res
 
 
@@ -244,7 +248,7 @@ def dropped_batches(stack: Stack, count: int = 5, rate: float = 4.0) -> FaultRes
     load.tally(res)
     res.detail["agent_replays"] = _agent_counter(stack, worker, "kvroute_agent_replays_total")
     res.detail["agent_gaps"] = _agent_counter(stack, worker, "kvroute_agent_sequence_gaps_total")
-    res.ok = res.failed == 0 and res.lost == 0 and res.detail["agent_gaps"] > 0
+    res.ok = res.clean and res.detail["agent_gaps"] > 0
     return res
 
 
@@ -271,9 +275,7 @@ def worker_killed(stack: Stack, rate: float = 6.0) -> FaultResult:
         stack.fault(worker, "restart")
         _settle(stack, res, time.monotonic())
     load.tally(res)
-    res.ok = (
-        res.failed == 0 and res.detail["attempts_after_2s"] == 0 and res.lost == 0 and inflight > 0
-    )
+    res.ok = res.clean and res.detail["attempts_after_2s"] == 0 and inflight > 0
     return res
 
 
@@ -299,9 +301,7 @@ def stuck_worker(stack: Stack, rate: float = 4.0) -> FaultResult:
         stack.fault(worker, "resume")
         _settle(stack, res, time.monotonic())
     load.tally(res)
-    res.ok = (
-        res.failed == 0 and res.lost == 0 and res.detail["timed_out"] > 0 and circuit != "closed"
-    )
+    res.ok = res.clean and res.detail["timed_out"] > 0 and circuit != "closed"
     return res
 
 
@@ -323,8 +323,7 @@ def bad_events(stack: Stack, rate: float = 3.0) -> FaultResult:
     res.detail["agent_alive"] = stack.agents[worker].alive()
     res.detail["gateway_alive"] = stack.gateways[0].alive()
     res.ok = (
-        res.failed == 0
-        and res.lost == 0
+        res.clean
         and res.detail["agent_alive"]
         and res.detail["gateway_alive"]
         and res.detail["agent_bad_events"] > 0
