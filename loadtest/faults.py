@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from loadtest.driver import DriverConfig, RequestRecord, run_load
-from loadtest.stack import Stack
+from loadtest.stack import Stack, wait_for
 from loadtest.workloads import ChatWorkload, WorkItem
 
 __all__ = ["FAULTS", "FaultResult", "run_fault"]
@@ -118,19 +118,6 @@ class BackgroundLoad:
         result.detail["errors"] = sorted({(r.error or "")[:120] for r in sent if not r.ok})[:5]
 
 
-def _wait(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> float | None:
-    """Seconds until ``cond()`` held, or None after ``timeout``."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        try:
-            if cond():
-                return time.monotonic() - t0
-        except (OSError, ValueError):
-            pass
-        time.sleep(step)
-    return None
-
-
 def _busiest(stack: Stack) -> int:
     """The worker with the most requests in flight, then the most indexed blocks: a fault
     aimed there meets traffic and state (a fault on an idle worker proves nothing)."""
@@ -145,7 +132,7 @@ def _converged(stack: Stack) -> bool:
 
 def _settle(stack: Stack, result: FaultResult, since: float, timeout: float = 30.0) -> None:
     """Record recovery time (from ``since``) and what still diverges after ``timeout``."""
-    took = _wait(lambda: _converged(stack), timeout)
+    took = wait_for(lambda: _converged(stack), timeout)
     result.recovery_s = None if took is None else round(time.monotonic() - since, 2)
     result.lost = len(stack.diverged()) if took is None else 0
 
@@ -224,7 +211,7 @@ def engine_restart(stack: Stack, rate: float = 4.0) -> FaultResult:
         # every pre-restart block must leave the index; the fresh engine's new blocks may
         # arrive meanwhile, so "gone" is the first moment the count fell below the old one
         # and the entry equals the agent's mirror of the fresh engine
-        gone = _wait(
+        gone = wait_for(
             lambda: stack.index().get(wid, {}).get("blocks", 0) < old and not stack.diverged(), 10.0
         )
         res.detail.update(

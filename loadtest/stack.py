@@ -18,6 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import yaml
 from gateway.index import key_digest
 from loadtest.harness import ChildProcess, HarnessError, RedisServer, free_port
 
-__all__ = ["Stack", "StackConfig"]
+__all__ = ["Stack", "StackConfig", "wait_for"]
 
 ADMIN_KEY = "stack-admin-key"
 
@@ -309,6 +310,20 @@ class Stack:
         """Run another process (a peer router, a load client) under this stack's cleanup."""
         self.extra.append(proc.start())
         return proc
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> float | None:
+    """Seconds until ``cond()`` held, or None after ``timeout``; a condition that raises
+    (a process not listening yet) counts as not yet."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if cond():
+                return time.monotonic() - t0
+        except (OSError, ValueError):
+            pass
+        time.sleep(step)
+    return None
 
 
 def _get(url: str, token: str | None = None) -> tuple[int, bytes]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from loadtest.stack import ADMIN_KEY, Stack, StackConfig
+from loadtest.stack import ADMIN_KEY, Stack, StackConfig, wait_for
 
 MODEL = "sim-model"
 WORDS = [
@@ -354,10 +354,15 @@ def test_redis_killed_and_restarted_mid_run_loses_no_request(tmp_path: Path) -> 
             futs = [pool.submit(run, i) for i in range(60, 80)]
             concurrent.futures.wait(futs)
         assert not errors and done == 80
-        # after Redis returns the gateway resynchronises (agents re-register, index rebuilt)
+        # after Redis returns the gateway reconnects and resynchronises: agents re-register and
+        # the index is rebuilt to equal every agent's mirror (routing never waited for this)
         stack.wait_ready(timeout=30)
-        _, body = get(stack.gateway_urls[0] + "/metrics")
-        assert b"kvroute_redis_connected 1.0" in body
+
+        def resynced() -> bool:
+            _, body = get(stack.gateway_urls[0] + "/metrics")
+            return b"kvroute_redis_connected 1.0" in body and not stack.diverged()
+
+        assert wait_for(resynced, timeout=30) is not None, stack.diverged()
 
 
 def test_no_healthy_worker_is_503_with_retry_after(tmp_path: Path) -> None:
