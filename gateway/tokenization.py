@@ -32,8 +32,7 @@ its position (BPE dropout, Metaspace ``prepend_scheme="first"``, ``single_word``
 encode of every chat; ``stats.incremental`` says which.
 
 On top of the pieces, each chat remembers its ids up to its last safe cut (the end of an added
-token that no longer text could extend; usually the end-of-turn token before the last user
-message), keyed by a hash chain over its messages. The next request of the conversation looks
+token, of either pass, that no longer text could extend; usually the last user-turn marker), keyed by a hash chain over its messages. The next request of the conversation looks
 its message prefixes up, checks that its rendered text starts with the remembered text
 (``str.startswith``: exact, no hashing), takes those ids and only cuts and looks up the rest.
 A follow-up turn of an 8,000-token chat then costs its render plus its new tokens.
@@ -750,16 +749,16 @@ class _Splitter:
         passes = [p for p in (raw, normalized) if p is not None]
         self._regexes = [(p.tokens, r) for p in passes for r in p.regexes]
         self.token_len = {t.id: len(c) for p in passes for c, t in p.tokens.items()}
-        # Prefix reuse cuts after a token of the first pass (see Tokenizer._finish).
-        first = passes[0].tokens if passes else {}
-        self.cut_ids = frozenset(t.id for t in first.values())
-        self.reach = max(map(len, first), default=0)
-        self.token_prefixes = frozenset(c[:i] for c in first for i in range(1, len(c) + 1))
+        # Prefix reuse cuts after any added token we split on (see Tokenizer._finish).
+        contents = [c for p in passes for c in p.tokens]
+        self.cut_ids = frozenset(self.token_len)
+        self.reach = max(map(len, contents), default=0)
+        self.token_prefixes = frozenset(c[:i] for c in contents for i in range(1, len(c) + 1))
         self.strips = any(t.lstrip or t.rstrip for p in passes for t in p.tokens.values())
 
     def open_end(self, text: str) -> int:
-        """The first position from which the rest of ``text`` could still grow into a
-        first-pass token: matches starting before it are the same in any longer text."""
+        """The first position from which the rest of ``text`` could still grow into an added
+        token (of either pass): matches starting before it are the same in any longer text."""
         for s in range(max(0, len(text) - self.reach), len(text)):
             if text[s:] in self.token_prefixes:
                 return s
@@ -1379,11 +1378,14 @@ class Tokenizer:
     def _finish(self, plan: _Plan, encoded: list[list[int]]) -> list[int]:
         """Cache the new pieces, concatenate the ids and remember this chat's prefix.
 
-        The remembered cut is the end of a first-pass token before the text's open end (see
-        :meth:`_Splitter.open_end`). In any text that starts with this one, every position
-        before the cut sees the same characters as far as any first-pass token reaches, so
-        tokenizers finds the same first-pass matches there and the pieces before the cut are
-        the same strings; after the cut (a match end) its scan restarts afresh."""
+        The remembered cut is the end of an added token (of either pass) before the text's
+        open end (see :meth:`_Splitter.open_end`). In any text that starts with this one,
+        every position before the cut sees the same characters as far as any added token
+        reaches, so tokenizers finds the same first-pass matches there, hence the same pieces
+        up to the cut, and in them the same second-pass matches; the pieces before the cut
+        are the same strings, and after the cut (a match end) a new piece starts. Cutting
+        only after first-pass tokens would leave a long system prompt followed by
+        second-pass tokens (DeepSeek's ``<｜User｜>``) outside every remembered prefix."""
         fresh = {p: self._intern(ids) for p, ids in zip(plan.missing, encoded, strict=True)}
         self._cache.put_pieces(fresh.items())
         splitter = self._splitter
