@@ -15,11 +15,11 @@ from gateway.config import PoolSettings
 from gateway.costmodel import CostModel
 from gateway.errors import bad_request
 from gateway.index import ShadowIndex
-from gateway.keys import BlockKeyer
+from gateway.keys import BlockKeyer, PrefixKeys
 from gateway.policy import make_policy
 from gateway.requests import ClientRequest, too_long
 from gateway.router import Router
-from gateway.tokenization import TokenizationError, Tokenizer, normalize_messages
+from gateway.tokenization import ChatIds, TokenizationError, Tokenizer, normalize_messages
 
 __all__ = ["Pool", "Prepared"]
 
@@ -52,6 +52,8 @@ class Pool:
             cache_tokens=settings.tokenizer_cache_tokens,
         )
         self.keyer = BlockKeyer(hash_seed, settings.block_size)
+        # keys of the chat prefixes the tokenizer remembers, held for as many tokens
+        self.prefix_keys = PrefixKeys(self.keyer, settings.tokenizer_cache_tokens)
         policy = make_policy(settings.policy, **settings.policy_params)
         self.router = Router(
             policy, settings.block_size, index=index, cost=CostModel(settings.cost), rng=rng
@@ -68,25 +70,25 @@ class Pool:
                 if self.settings.normalize_prompts:
                     messages = normalize_messages(messages)
                     body = req.with_changes(messages=messages)
-                ids = await tok.aencode_chat(
+                chat = await tok.aencode_chat_ids(
                     messages,
                     tools=req.tools,
                     add_generation_prompt=req.add_generation_prompt,
                     **req.template_kwargs,
                 )
             elif req.prompt_ids is not None:
-                ids = req.prompt_ids
+                chat = ChatIds(req.prompt_ids)
                 vocab = tok.vocab_size
-                if max(ids) >= vocab:
+                if max(chat.ids) >= vocab:
                     raise bad_request(
-                        f"token id {max(ids)} is out of vocabulary (size {vocab})",
+                        f"token id {max(chat.ids)} is out of vocabulary (size {vocab})",
                         param="prompt",
                         code="invalid_token_id",
                     )
             else:
                 assert req.prompt_text is not None
                 # vLLM completions and SGLang /generate both encode text with special tokens
-                ids = await tok.aencode(req.prompt_text, add_special_tokens=True)
+                chat = ChatIds(await tok.aencode(req.prompt_text, add_special_tokens=True))
         except TokenizationError as exc:
             raise bad_request(
                 str(exc),
@@ -96,10 +98,11 @@ class Pool:
         except UnicodeError as exc:
             raise bad_request(f"prompt is not valid text: {exc}", code="invalid_prompt") from None
         t1 = time.perf_counter()
+        ids = chat.ids
         if not ids:
             raise bad_request("the prompt is empty after tokenization", code="empty_prompt")
         err = too_long(len(ids), req.max_tokens, self.settings.max_model_len)
         if err is not None:
             raise err
-        keys = self.keyer.keys(ids)
+        keys = self.prefix_keys.keys(ids, chat.reused, chat.remembered)
         return Prepared(len(ids), keys, t1 - t0, time.perf_counter() - t1, body)

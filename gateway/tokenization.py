@@ -65,6 +65,7 @@ import tokenizers.models
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
+    "ChatIds",
     "ContentFormat",
     "TokenizationError",
     "Tokenizer",
@@ -583,6 +584,20 @@ def _prepare_tool(tool: Any, where: str) -> dict[str, Any]:
 
 
 Ids = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChatIds:
+    """A chat's ids and the remembered prefixes behind them, for callers that derive data
+    from ids (block keys) and want to derive it once per conversation prefix.
+
+    ``reused`` is the remembered prefix the ids start with (``()`` if none): the same tuple
+    object for every request that reused it, as long as the cache holds it. ``remembered``
+    is the prefix this request left for the next turn (None when it kept ``reused``)."""
+
+    ids: list[int]
+    reused: Ids = ()
+    remembered: Ids | None = None
 
 
 @dataclass(frozen=True)
@@ -1328,7 +1343,7 @@ class Tokenizer:
         plan = self._plan(text, keys)
         if plan is None:
             return self._encode_one(text)
-        return self._finish(plan, self._encode_many(plan.missing))
+        return self._finish(plan, self._encode_many(plan.missing)).ids
 
     async def aencode_chat(
         self,
@@ -1338,10 +1353,23 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> list[int]:
         """:meth:`encode_chat`; the uncached text goes to a worker thread when it is long."""
+        chat = await self.aencode_chat_ids(
+            messages, tools, add_generation_prompt, **template_kwargs
+        )
+        return chat.ids
+
+    async def aencode_chat_ids(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> ChatIds:
+        """:meth:`aencode_chat` with the remembered prefixes the ids came from."""
         text, keys = self._render(messages, tools, add_generation_prompt, template_kwargs)
         plan = self._plan(text, keys)
         if plan is None:
-            return await self.aencode(text, add_special_tokens=False)
+            return ChatIds(await self.aencode(text, add_special_tokens=False))
         if sum(map(len, plan.missing)) < self.thread_threshold_chars:
             return self._finish(plan, self._encode_many(plan.missing))
         return self._finish(plan, await self._in_thread(plan.missing, False))
@@ -1375,7 +1403,7 @@ class Tokenizer:
                 return prefix.ids, prefix.cut
         return (), 0
 
-    def _finish(self, plan: _Plan, encoded: list[list[int]]) -> list[int]:
+    def _finish(self, plan: _Plan, encoded: list[list[int]]) -> ChatIds:
         """Cache the new pieces, concatenate the ids and remember this chat's prefix.
 
         The remembered cut is the end of an added token (of either pass) before the text's
@@ -1402,10 +1430,11 @@ class Tokenizer:
             else:
                 out.extend(ids if isinstance(ids, tuple) else fresh[item])
                 offset += len(item)
+        remembered = None
         if plan.key is not None and cut[1] > len(plan.head):
-            prefix = _Prefix(plan.text, cut[0], tuple(out[: cut[1]]))
-            self._cache.put_prefix(plan.key, prefix)
-        return out
+            remembered = tuple(out[: cut[1]])
+            self._cache.put_prefix(plan.key, _Prefix(plan.text, cut[0], remembered))
+        return ChatIds(out, plan.head, remembered)
 
     def clear_cache(self) -> None:
         """Drop every cached piece and prefix (the counters are kept)."""

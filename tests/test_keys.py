@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.keys import BlockKeyer, InvalidTokens, reference_keys
+from gateway.keys import BlockKeyer, InvalidTokens, PrefixKeys, reference_keys
+from gateway.tokenization import Tokenizer, bundled_test_tokenizer
 
 #: Pinned test vector (also in docs/protocol.md): changing the key function breaks every
 #: deployed agent/gateway pair, so it must be a deliberate protocol version change.
@@ -86,3 +89,54 @@ def test_bad_arguments() -> None:
         k.keys(list(range(16)), parent=-1)
     with pytest.raises(ValueError):
         k.extend([1, 2, 3], list(range(16)))
+
+
+# -- PrefixKeys: follow-up turns hash only their new blocks ----------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(0, 10),  # which remembered prefix to start from (beyond: none)
+            st.lists(st.integers(0, 50_000), max_size=60),  # the new tokens
+            st.integers(0, 70),  # where this request's remembered prefix ends
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    capacity=st.sampled_from([0, 40, 10_000]),
+)
+def test_prefix_keys_equal_full_keys(
+    steps: list[tuple[int, list[int], int]], capacity: int
+) -> None:
+    """Against the plain key function: whatever prefix a request reuses (memoised or
+    evicted) and whatever it leaves for the next, its keys are those of its whole ids."""
+    keyer = BlockKeyer("s", 4)
+    memo = PrefixKeys(keyer, capacity)
+    remembered: list[tuple[int, ...]] = []
+    for pick, new, cut in steps:
+        reused = remembered[pick] if pick < len(remembered) else ()
+        ids = [*reused, *new]
+        keep = tuple(ids[:cut]) if len(reused) < cut <= len(ids) else None
+        assert memo.keys(ids, reused, keep) == keyer.keys(ids)
+        if keep is not None:
+            remembered.append(keep)
+        assert memo.tokens <= capacity
+
+
+def test_follow_up_turns_reuse_the_keys_of_the_remembered_prefix() -> None:
+    """With the real tokenizer and template: each turn of a conversation starts from the
+    prefix the previous one left, and its keys chain on from that prefix's keys."""
+    tok = Tokenizer.load(bundled_test_tokenizer(), "deepseek-v3")
+    keyer = BlockKeyer("s", 16)
+    memo = PrefixKeys(keyer, 100_000)
+    chat = [{"role": "system", "content": "You are terse. " * 80}]
+    for turn in range(4):
+        chat.append({"role": "user", "content": f"Question {turn}: " + "why? " * 40})
+        ids = asyncio.run(tok.aencode_chat_ids(chat))
+        assert ids.ids == tok.encode(tok.render_chat(chat), add_special_tokens=False)
+        assert memo.keys(ids.ids, ids.reused, ids.remembered) == keyer.keys(ids.ids)
+        assert memo.hits == turn  # the first turn has nothing to start from
+        chat.append({"role": "assistant", "content": f"Answer {turn}. " * 60})
+    assert len(memo) == 4 and memo.misses == 1
