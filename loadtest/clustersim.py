@@ -491,9 +491,9 @@ class _Worker:
         "pending",
         "rep_at",
         "rep_vals",
-        "sent_at",
         "span_dt",
         "span_start",
+        "touched_at",
         "version",
     )
 
@@ -512,7 +512,9 @@ class _Worker:
         self.blocks: dict[int, int] = {}  # engine block id -> canonical key (the agent's map)
         self.rep_vals: tuple[Any, ...] | None = None  # load values of the last applied report
         self.rep_at = -_INF  # when it was applied
-        self.sent_at = -_INF  # when the gateway last sent this worker a request
+        # when the gateway's own accounting of this worker last changed: a request sent, a
+        # first token, a finish (each moves counters a report would reset)
+        self.touched_at = -_INF
 
 
 class ClusterSim:
@@ -642,7 +644,7 @@ class ClusterSim:
         decision = router.route(keys, n, t, session_key=a.session)
         ticket = router.started(decision, n, t)
         w = self._by_name[decision.worker]
-        w.sent_at = t
+        w.touched_at = t
         if w.mode == _SPAN:
             self._interrupt(w, t)
         flight = _Flight(a.index, t, ticket, w.i)
@@ -747,6 +749,8 @@ class ClusterSim:
         router = self.router
         if res.decode_seqs:
             w.clock += res.steps
+        if res.first_token or res.finished:
+            w.touched_at = now
         for req in res.first_token:
             f: _Flight = req.tag
             f.first = now
@@ -834,15 +838,16 @@ class ClusterSim:
         """Apply a load report, unless it provably changes nothing.
 
         ``LoadTracker.report`` with the same load values as the last applied report, no
-        request sent to the worker since that one (so nothing is counted as "sent since the
-        report") and that report still far from its TTL yields the same view; skipping it
-        only saves time (most reports of a large cluster repeat the previous one).
+        request sent, prefilled or finished on the worker since that one (so nothing is
+        counted as "sent", "prefilled" or "finished since the report") and that report still
+        far from its TTL yields the same view; skipping it only saves time (most reports of
+        a large cluster repeat the previous one).
         """
         vals, queries, hits, ts = sample
         loads = self.router.loads
         if (
             vals == w.rep_vals
-            and w.sent_at < w.rep_at
+            and w.touched_at < w.rep_at
             and t - w.rep_at < loads.report_ttl / 2
             and self.skip_redundant_reports
         ):

@@ -284,7 +284,15 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
     limit = best + max(pol.tie_ms, best * pol.tie_ratio)
     near = [c for c in full.candidates if c.score <= limit]
     top = max(c.matched_tokens for c in near)
-    allowed = {c.worker for c in near if c.matched_tokens == top}
+    idle = {w for w in WORKERS if loads.view(w).idle}
+    at_top = [c for c in full.candidates if c.matched_tokens == top]
+    if any(c.worker in idle for c in near if c.matched_tokens == top):
+        allowed = {c.worker for c in at_top if c.worker in idle}
+    else:  # busy workers of that match within one decode step of its best
+        first = min(at_top, key=lambda c: c.score)
+        step = CostModel().decode_step_ms(loads.view(first.worker).kv_usage)
+        window = first.score + max(pol.tie_ms, first.score * pol.tie_ratio) + step
+        allowed = {c.worker for c in at_top if c.score <= window}
     assert fast.worker in allowed
     assert fast.matched_tokens == req.matched_tokens(matches.get(fast.worker, 0))
 
@@ -350,3 +358,25 @@ def test_equal_workers_take_turns() -> None:
         r.finished(t, now=float(i))
         picks.append(d.worker)
     assert sorted(picks[:4]) == WORKERS and picks[4:] == picks[:4]
+
+
+def test_busy_workers_within_one_engine_step_take_turns() -> None:
+    """Same match, both busy: a predicted difference under one decode step is the phase of
+    the engines' steps, not load, so the worker that waited longest gets the request; a
+    difference of several steps still decides."""
+    pol = make_policy("ttft")
+    step = CostModel().decode_step_ms(0.0)
+    for extra, expect_turns in [(250, True), (2000, False)]:
+        r = router(seed=1)
+        for w in WORKERS[2:]:
+            r.remove_worker(w)
+        # w0 has a little more prefill pending than w1 (``extra`` tokens), w1 was used last
+        r.loads.started("w0", 100 + extra, now=0.0)
+        r.loads.started("w1", 100, now=1.0)
+        d = r.route([], 64, now=2.0, explain=True)
+        scores = {c.worker: c.score for c in d.candidates}
+        gap = scores["w0"] - scores["w1"]
+        window = max(pol.tie_ms, scores["w1"] * pol.tie_ratio) + step
+        assert gap > max(pol.tie_ms, scores["w1"] * pol.tie_ratio)  # not a plain near-tie
+        assert (gap <= window) == expect_turns, (gap, window)
+        assert d.worker == ("w0" if expect_turns else "w1")
