@@ -65,6 +65,14 @@ class CostModel:
         u = min(max(kv_usage, 0.0), 1.0)
         return max(1.0, p.decode_d2 * u * u + p.decode_d1 * u + p.decode_d0)
 
+    def max_decode_step_ms(self) -> float:
+        """The longest decode step at any KV usage (the quadratic's maximum on [0, 1])."""
+        p = self.params
+        points = [0.0, 1.0]
+        if p.decode_d2 < 0:
+            points.append(min(max(-p.decode_d1 / (2 * p.decode_d2), 0.0), 1.0))
+        return max(map(self.decode_step_ms, points))
+
     def chunked_prefill_ms(self, tokens: float) -> float:
         """Time to work through ``tokens`` prompt tokens in chunks of max_batched_tokens."""
         if tokens <= 0:

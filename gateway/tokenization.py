@@ -32,7 +32,8 @@ its position (BPE dropout, Metaspace ``prepend_scheme="first"``, ``single_word``
 encode of every chat; ``stats.incremental`` says which.
 
 On top of the pieces, each chat remembers its ids up to its last safe cut (the end of an added
-token, of either pass, that no longer text could extend; usually the last user-turn marker), keyed by a hash chain over its messages. The next request of the conversation looks
+token, of either pass, that no longer text could extend; usually the last user-turn marker),
+keyed by a hash chain over its messages. The next request of the conversation looks
 its message prefixes up, checks that its rendered text starts with the remembered text
 (``str.startswith``: exact, no hashing), takes those ids and only cuts and looks up the rest.
 A follow-up turn of an 8,000-token chat then costs its render plus its new tokens.

@@ -246,6 +246,11 @@ def test_cost_model_shape_and_calibration() -> None:
     assert abs(cm2.scale - 2.0) < 0.05
     cm2.observe(10.0, float("nan"))
     assert abs(cm2.scale - 2.0) < 0.05
+    # the longest decode step bounds every KV usage (concave and convex shapes)
+    for d2 in (-25.74, -60.0, 10.0):
+        cm3 = CostModel(CostParams(decode_d2=d2))
+        grid = max(cm3.decode_step_ms(u / 100) for u in range(101))
+        assert grid <= cm3.max_decode_step_ms() <= grid + 0.05
 
 
 @settings(max_examples=150, deadline=None)

@@ -132,7 +132,7 @@ class PredictedTTFT(Policy):
         # its current one, which no load report shows: predictions closer than one decode
         # step are noise, and picking by them is worse than taking turns (phase). The scan
         # goes that much further so every such worker is scored.
-        step = self.step_ties * cost.decode_step_ms(1.0) * scale
+        step = self.step_ties * cost.max_decode_step_ms() * scale
         limit = best + max(tie_ms, best * tie_ratio)
         reach = limit + step
         min_base = min((bases[m] for m in busy_at), default=float("inf"))
