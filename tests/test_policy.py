@@ -260,8 +260,13 @@ def test_cost_model_shape_and_calibration() -> None:
     st.integers(1, 8192),
     st.integers(0, 2**32),
 )
+@pytest.mark.parametrize("step_ties", [0.0, 1.0])
 def test_pruned_ttft_search_agrees_with_scoring_everyone(
-    ops: list[tuple[int, int, bool]], matches: dict[str, int], prompt_tokens: int, seed: int
+    step_ties: float,
+    ops: list[tuple[int, int, bool]],
+    matches: dict[str, int],
+    prompt_tokens: int,
+    seed: int,
 ) -> None:
     """The policy visits a few workers; the result must equal a full scan's minimum."""
     loads = LoadTracker(order_key=CostModel().queue_key)
@@ -274,7 +279,7 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
         if first:
             loads.first_token(rid)
     loads.check_invariants()
-    pol = make_policy("ttft")
+    pol = make_policy("ttft", step_ties=step_ties)
     req = RouteRequest([], prompt_tokens, BS)
     fast = pol.choose(
         req, PoolView.from_matches(loads, matches), PolicyContext(rng=random.Random(seed))
@@ -289,13 +294,12 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
     limit = best + max(pol.tie_ms, best * pol.tie_ratio)
     near = [c for c in full.candidates if c.score <= limit]
     top = max(c.matched_tokens for c in near)
+    allowed = {c.worker for c in near if c.matched_tokens == top}
     idle = {w for w in WORKERS if loads.view(w).idle}
-    at_top = [c for c in full.candidates if c.matched_tokens == top]
-    if any(c.worker in idle for c in near if c.matched_tokens == top):
-        allowed = {c.worker for c in at_top if c.worker in idle}
-    else:  # busy workers of that match within one decode step of its best
+    if step_ties and not allowed & idle:  # busy workers of that match within the steps
+        at_top = [c for c in full.candidates if c.matched_tokens == top]
         first = min(at_top, key=lambda c: c.score)
-        step = CostModel().decode_step_ms(loads.view(first.worker).kv_usage)
+        step = step_ties * CostModel().decode_step_ms(loads.view(first.worker).kv_usage)
         window = first.score + max(pol.tie_ms, first.score * pol.tie_ratio) + step
         allowed = {c.worker for c in at_top if c.score <= window}
     assert fast.worker in allowed
@@ -365,14 +369,15 @@ def test_equal_workers_take_turns() -> None:
     assert sorted(picks[:4]) == WORKERS and picks[4:] == picks[:4]
 
 
-def test_busy_workers_within_one_engine_step_take_turns() -> None:
-    """Same match, both busy: a predicted difference under one decode step is the phase of
-    the engines' steps, not load, so the worker that waited longest gets the request; a
-    difference of several steps still decides."""
-    pol = make_policy("ttft")
-    step = CostModel().decode_step_ms(0.0)
-    for extra, expect_turns in [(250, True), (2000, False)]:
-        r = router(seed=1)
+@pytest.mark.parametrize("step_ties", [0.0, 1.0])
+def test_busy_workers_within_one_engine_step_take_turns(step_ties: float) -> None:
+    """With ``step_ties: 1``, same match, both busy: a predicted difference under one decode
+    step is the phase of the engines' steps, not load, so the worker that waited longest gets
+    the request; a difference of several steps still decides. By default the lighter wins."""
+    pol = make_policy("ttft", step_ties=step_ties)
+    step = step_ties * CostModel().decode_step_ms(0.0)
+    for extra, expect_turns in [(250, step_ties > 0), (2000, False)]:
+        r = router(seed=1, step_ties=step_ties)
         for w in WORKERS[2:]:
             r.remove_worker(w)
         # w0 has a little more prefill pending than w1 (``extra`` tokens), w1 was used last
