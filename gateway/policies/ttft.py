@@ -133,7 +133,7 @@ class PredictedTTFT(Policy):
         scored: list[tuple[float, str, int, float]] = []
         # step_ties: same-match busy workers within that many decode steps tie (see the
         # module docstring); the scan goes that much further so every such worker is scored.
-        step = self.step_ties * cost.max_decode_step_ms() * scale
+        step = self.step_ties * cost.max_decode_step_ms() * scale if self.step_ties else 0.0
         limit = best + max(tie_ms, best * tie_ratio)
         reach = limit + step
         min_base = min((bases[m] for m in busy_at), default=float("inf"))
