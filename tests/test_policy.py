@@ -340,6 +340,29 @@ def test_ttft_replicates_a_hot_prefix_to_every_worker() -> None:
     assert reasons["replicate"] == len(WORKERS) - 1  # one cold prefill per extra holder, no more
 
 
+def test_a_sustained_hot_prefix_replicates_after_a_short_burst() -> None:
+    """A steady stream of one new prefix: the first few stay with the first holder (a burst
+    stays together), and the 7th request already starts a second holder (``min_requests``
+    4 sustained ones after the first holder has the prefix); with 8 it was the 11th, which
+    built a backlog behind the first holder at high rates."""
+    r = router(seed=5)
+    base, _ = prompt(8, 6000)
+    picks = []
+    for i in range(8):
+        toks = base + prompt(2000 + i, 64)[0]
+        d = r.route(KEYER.keys(toks), len(toks), now=i * 0.05)
+        r.started(d, len(toks), now=i * 0.05)  # all in flight: the holder stays busy
+        picks.append((d.worker, d.reason))
+    first = next(i for i, (_, reason) in enumerate(picks) if reason == "replicate")
+    assert 2 <= first <= 6, picks
+    assert len({w for w, _ in picks[:first]}) == 1, picks
+
+
+def test_step_ties_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="step_ties"):
+        make_policy("ttft", step_ties=-1)
+
+
 def test_a_conversations_own_prefix_is_never_replicated() -> None:
     r = router(seed=6)
     reasons: Counter[str] = Counter()

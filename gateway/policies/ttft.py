@@ -17,7 +17,7 @@ workers never used), never to "worker 0".
 that many decode steps. A busy engine's next step starts anywhere within its current one,
 which no report shows; when every request is alike (one hot prefix, same-size questions) a
 few milliseconds of predicted queue are that phase, not load, and taking turns queues 3-4%
-less than choosing by them (offline simulator and live, 2 and 8 workers). With requests of
+less than choosing by them (offline simulator, 2 and 8 workers). With requests of
 mixed sizes (multi-turn chat) the same differences are real queued work: ``step_ties: 1``
 raised p99 TTFT 12-22% at 95% load on the chat-eviction preset (live A/B), so it is a
 setting for uniform traffic, not the default.
@@ -72,8 +72,10 @@ class PredictedTTFT(Policy):
         max_scored: int = 16,
         step_ties: float = 0.0,
     ) -> None:
-        if compute_weight < 0 or tie_ms < 0 or tie_ratio < 0 or replication < 0:
-            raise ValueError("compute_weight, tie_ms, tie_ratio and replication must be >= 0")
+        if min(compute_weight, tie_ms, tie_ratio, replication, step_ties) < 0:
+            raise ValueError(
+                "compute_weight, tie_ms, tie_ratio, replication and step_ties must be >= 0"
+            )
         self.compute_weight = compute_weight
         self.tie_ms = tie_ms
         self.tie_ratio = tie_ratio
