@@ -21,10 +21,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from gateway.aio import wait_event
-from gateway.bus import BusError, Cleared, Entry, EventBus, Removed, Snapshot, Stored, WorkerInfo
-from gateway.index import ShadowIndex
-from gateway.load import EngineReport
+from gateway.contract.bus import BusError, EventBus, wait_event
+from gateway.contract.wire import (
+    Cleared,
+    EngineReport,
+    Entry,
+    Removed,
+    Snapshot,
+    Stored,
+    WorkerInfo,
+)
+from gateway.routing.index import ShadowIndex
 
 __all__ = [
     "Applied",

@@ -22,7 +22,8 @@ import tempfile
 import time
 from typing import Any
 
-from gateway.config import ConfigError, GatewayConfig, load_config, parse_assignments
+from gateway.config import GatewayConfig
+from gateway.contract.settings import ConfigError, load_config, parse_assignments
 
 __all__ = ["add_arguments", "run"]
 
@@ -94,7 +95,7 @@ def _run_loop(main: Any) -> None:
 def make_bus(cfg: GatewayConfig) -> Any:
     if not cfg.redis.url:
         return None
-    from gateway.redis_bus import RedisBus
+    from gateway.contract.redis_bus import RedisBus
 
     extra: dict[str, Any] = {}
     if cfg.redis.password:

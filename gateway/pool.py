@@ -12,13 +12,13 @@ import time
 from dataclasses import dataclass
 
 from gateway.config import PoolSettings
-from gateway.costmodel import CostModel
 from gateway.errors import bad_request
-from gateway.index import ShadowIndex
-from gateway.keys import BlockKeyer, PrefixKeys
-from gateway.policy import make_policy
 from gateway.requests import ClientRequest, too_long
-from gateway.router import Router
+from gateway.routing.costmodel import CostModel
+from gateway.routing.index import ShadowIndex
+from gateway.routing.keys import BlockKeyer, PrefixKeys
+from gateway.routing.policy import make_policy
+from gateway.routing.router import Router
 from gateway.tokenization import ChatIds, TokenizationError, Tokenizer, normalize_messages
 
 __all__ = ["Pool", "Prepared"]

@@ -29,11 +29,11 @@ from aiohttp import web
 from gateway.config import ProxySettings
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
-from gateway.policy import Decision
 from gateway.pool import Pool, Prepared
 from gateway.registry import Registry
 from gateway.requests import ClientRequest
-from gateway.router import NoCandidates
+from gateway.routing.policy import Decision
+from gateway.routing.router import NoCandidates
 
 __all__ = ["REQUEST_ID", "Proxy", "Usage", "parse_usage"]
 

@@ -19,9 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from gateway.bus import WorkerInfo
 from gateway.circuit import Circuit, CircuitState
 from gateway.config import CircuitSettings
+from gateway.contract.wire import WorkerInfo
 from gateway.pool import Pool
 
 __all__ = ["Registry", "WorkerEntry", "check_upstream_url"]

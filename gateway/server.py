@@ -28,18 +28,19 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.bus import EventBus
 from gateway.circuit import CircuitState
 from gateway.config import ApiKey, GatewayConfig
 from gateway.consumer import Consumer
+from gateway.contract.bus import EventBus
+from gateway.contract.wire import key_digest
 from gateway.errors import ApiError, error_body
-from gateway.index import ShadowIndex, key_digest
 from gateway.limits import Admission, TokenBucket
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
 from gateway.proxy import REQUEST_ID, Proxy, new_request_id
 from gateway.registry import Registry
 from gateway.requests import ClientRequest, Kind, parse_body
+from gateway.routing.index import ShadowIndex
 from gateway.tokenization import Tokenizer
 
 __all__ = ["Gateway", "build_app"]

@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from gateway.config import ConfigError, load_config, parse_assignments
+from gateway.contract.settings import ConfigError, load_config, parse_assignments
 from loadtest.compare import CompareConfig, run_compare
 from loadtest.driver import DriverConfig, run_load
 from loadtest.report import format_table

@@ -3,7 +3,7 @@ worker, in virtual time.
 
 Why: routing quality (hit rate, TTFT, balance) at hundreds of workers and a million requests
 cannot be measured with processes and HTTP on a small machine. This module drives the objects
-the live system runs — ``gateway.router.Router`` (shadow index, load tracker, policies, cost
+the live system runs — ``gateway.routing.router.Router`` (shadow index, load tracker, policies, cost
 model) and ``loadtest.enginesim.scheduler.EngineCore`` (scheduler, radix KV cache, timing) —
 from a discrete-event queue instead of sockets and clocks. What it says about routing is what
 the gateway does; what it leaves out is the network and the processes' own CPU time.
@@ -54,12 +54,12 @@ from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 
-from gateway.costmodel import CostModel, CostParams
-from gateway.index import ShadowIndex
-from gateway.keys import BlockKeyer
-from gateway.load import EngineReport
-from gateway.policy import make_policy
-from gateway.router import Router, Ticket
+from gateway.contract.wire import EngineReport
+from gateway.routing.costmodel import CostModel, CostParams
+from gateway.routing.index import ShadowIndex
+from gateway.routing.keys import BlockKeyer
+from gateway.routing.policy import make_policy
+from gateway.routing.router import Router, Ticket
 from loadtest.driver import RequestRecord, balance
 from loadtest.enginesim.config import CacheConfig, SchedulerConfig
 from loadtest.enginesim.kvcache import (
@@ -148,7 +148,7 @@ class KeyFunction(Protocol):
 
 
 class TokenKeys:
-    """The deployment's key function (``gateway.keys.BlockKeyer``) over token bytes."""
+    """The deployment's key function (``gateway.routing.keys.BlockKeyer``) over token bytes."""
 
     def __init__(self, seed: str, block_size: int) -> None:
         self.block_size = block_size

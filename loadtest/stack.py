@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from gateway.index import key_digest
+from gateway.contract.wire import key_digest
 from loadtest.harness import ChildProcess, HarnessError, RedisServer, free_port
 
 __all__ = ["Stack", "StackConfig", "wait_for"]

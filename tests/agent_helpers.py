@@ -22,7 +22,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from gateway.keys import BlockKeyer
+from gateway.routing.keys import BlockKeyer
 from loadtest.harness import free_ports
 
 END_SEQ = b"\xff" * 8
@@ -400,7 +400,7 @@ def agent_config(engine: FakeEngine | None, worker: str = "w1", **overrides: Any
 @contextlib.asynccontextmanager
 async def running_agent(config: Any, redis_url: str) -> Any:
     """An ``Agent`` on a ``RedisBus``, run until the block exits (graceful stop)."""
-    from gateway.redis_bus import RedisBus
+    from gateway.contract.redis_bus import RedisBus
     from worker_agent.agent import Agent
 
     bus = RedisBus(redis_url, socket_timeout=1.0, connect_timeout=0.5)
@@ -423,7 +423,7 @@ async def running_agent(config: Any, redis_url: str) -> Any:
 @contextlib.asynccontextmanager
 async def running_consumer(redis_url: str) -> Any:
     from gateway.consumer import Consumer, ConsumerConfig
-    from gateway.redis_bus import RedisBus
+    from gateway.contract.redis_bus import RedisBus
 
     bus = RedisBus(redis_url, socket_timeout=1.0, connect_timeout=0.5)
     config = ConsumerConfig(block_ms=50, poll_interval=0.05, snapshot_retry=0.1, expiry_grace=1.5)

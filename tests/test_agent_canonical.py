@@ -8,8 +8,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.bus import Cleared, Removed, Stored
-from gateway.keys import BlockKeyer
+from gateway.contract.wire import Cleared, Removed, Stored
+from gateway.routing.keys import BlockKeyer
 from worker_agent.canonical import RankCanonicaliser
 from worker_agent.engines.decode import BlockRemoved, BlockStored
 from worker_agent.mirror import WorkerMirror, build_chains

@@ -12,7 +12,7 @@ import pytest
 import redis
 from agent_helpers import FakeEngine, drive, running_consumer, wait_until
 
-from gateway.config import ConfigError
+from gateway.contract.settings import ConfigError
 from loadtest.harness import ChildProcess, RedisServer, free_port
 from worker_agent.cli import add_arguments, build_config
 

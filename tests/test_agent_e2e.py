@@ -18,7 +18,7 @@ from agent_helpers import (
     wait_until,
 )
 
-from gateway.keys import BlockKeyer
+from gateway.routing.keys import BlockKeyer
 from loadtest.harness import RedisServer
 
 KEYER = BlockKeyer(AGENT_SEED, 16)

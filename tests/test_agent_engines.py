@@ -20,8 +20,8 @@ from agent_helpers import (
 )
 from aiohttp import web
 
-from gateway.keys import BlockKeyer
-from gateway.load import EngineReport
+from gateway.contract.wire import EngineReport
+from gateway.routing.keys import BlockKeyer
 from loadtest.harness import RedisServer
 from worker_agent.engines import adapter_for
 from worker_agent.engines.base import DiscoveryError, parse_metrics, resolve_host

@@ -14,7 +14,7 @@ import pytest
 from agent_helpers import AGENT_SEED, agent_config, running_agent, running_consumer, settle
 from agent_helpers import wait_until as poll
 
-from gateway.keys import BlockKeyer
+from gateway.routing.keys import BlockKeyer
 from loadtest.enginesim.cluster import SimCluster
 from loadtest.enginesim.config import CacheConfig, EventsConfig, SimConfig, TimingConfig
 from loadtest.enginesim.kvcache import unpack_tokens

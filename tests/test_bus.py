@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator
 import pytest
 import redis
 
-from gateway.bus import (
+from gateway.contract.bus import BusError, EventBus, MemoryBus
+from gateway.contract.redis_bus import RedisBus
+from gateway.contract.wire import (
     PROTOCOL_VERSION,
-    BusError,
     Cleared,
+    EngineReport,
     Entry,
-    EventBus,
-    MemoryBus,
     Removed,
     Snapshot,
     Stored,
@@ -22,8 +22,6 @@ from gateway.bus import (
     decode_entry,
     encode_entry,
 )
-from gateway.load import EngineReport
-from gateway.redis_bus import RedisBus
 from loadtest.harness import RedisServer
 
 
@@ -149,7 +147,7 @@ def test_protocol_document_vectors() -> None:
     """The test vector and the example entry printed in docs/protocol.md."""
     from pathlib import Path
 
-    from gateway.keys import BlockKeyer
+    from gateway.routing.keys import BlockKeyer
 
     doc = Path(__file__).parent.parent.joinpath("docs", "protocol.md").read_text()
     keyer = BlockKeyer("kvroute", 16)

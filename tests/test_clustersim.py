@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.keys import BlockKeyer
+from gateway.routing.keys import BlockKeyer
 from gateway.tokenization import Tokenizer, bundled_test_tokenizer
 from loadtest.clustersim import (
     Arrival,

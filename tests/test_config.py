@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from gateway.config import ConfigError, load_config, parse_assignments, to_dict
+from gateway.contract.settings import ConfigError, load_config, parse_assignments, to_dict
 
 
 @dataclass

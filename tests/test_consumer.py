@@ -9,22 +9,20 @@ from typing import Any
 
 from agent_helpers import wait_until
 
-from gateway.bus import (
+from gateway.consumer import Applied, Consumer, ConsumerConfig, StreamApplier
+from gateway.contract.bus import BusError, MemoryBus, StreamRead
+from gateway.contract.wire import (
     PROTOCOL_VERSION,
-    BusError,
     Cleared,
+    EngineReport,
     Entry,
     Event,
-    MemoryBus,
     Removed,
     Snapshot,
     Stored,
-    StreamRead,
     WorkerInfo,
 )
-from gateway.consumer import Applied, Consumer, ConsumerConfig, StreamApplier
-from gateway.index import ShadowIndex
-from gateway.load import EngineReport
+from gateway.routing.index import ShadowIndex
 from worker_agent.mirror import WorkerMirror, build_chains
 
 

@@ -31,11 +31,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.config import ConfigError, GatewayConfig, load_config
-from gateway.costmodel import CostParams
+from gateway.config import GatewayConfig
+from gateway.contract.settings import ConfigError, load_config
 from gateway.main import add_arguments as gateway_add_arguments
 from gateway.metrics import GatewayMetrics
-from gateway.policy import make_policy, policy_names
+from gateway.routing.costmodel import CostParams
+from gateway.routing.policy import make_policy, policy_names
 from worker_agent.cli import add_arguments as agent_add_arguments
 from worker_agent.cli import build_config as agent_build_config
 from worker_agent.engines.base import endpoint_for_rank

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError
+from gateway.contract.settings import ConfigError
 from loadtest.benchmarks import sim as bench_sim
 from loadtest.enginesim import cli
 from loadtest.harness import ChildProcess

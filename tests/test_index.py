@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gateway.index import ShadowIndex
-from gateway.keys import BlockKeyer
+from gateway.routing.index import ShadowIndex
+from gateway.routing.keys import BlockKeyer
 
 BS = 2
 KEYER = BlockKeyer("index-tests", BS)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.keys import BlockKeyer, InvalidTokens, PrefixKeys, reference_keys
+from gateway.routing.keys import BlockKeyer, InvalidTokens, PrefixKeys, reference_keys
 from gateway.tokenization import Tokenizer, bundled_test_tokenizer
 
 #: Pinned test vector (also in docs/protocol.md): changing the key function breaks every

@@ -9,11 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.costmodel import CostModel, CostParams
-from gateway.keys import BlockKeyer
-from gateway.load import EngineReport, LoadTracker
-from gateway.policy import PolicyContext, PoolView, RouteRequest, make_policy, policy_names
-from gateway.router import NoCandidates, Router
+from gateway.contract.wire import EngineReport
+from gateway.routing.costmodel import CostModel, CostParams
+from gateway.routing.keys import BlockKeyer
+from gateway.routing.load import LoadTracker
+from gateway.routing.policy import PolicyContext, PoolView, RouteRequest, make_policy, policy_names
+from gateway.routing.router import NoCandidates, Router
 
 BS = 16
 KEYER = BlockKeyer("policy-tests", BS)
@@ -307,7 +308,7 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
 
 
 def test_prefix_popularity_decays_and_stays_bounded() -> None:
-    from gateway.popularity import PrefixPopularity
+    from gateway.routing.popularity import PrefixPopularity
 
     pop = PrefixPopularity(half_life=10.0)
     for i in range(30):

@@ -14,11 +14,11 @@ import openai
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from gateway.bus import WorkerInfo
 from gateway.config import ProxySettings
+from gateway.contract.redis_bus import RedisBus
+from gateway.contract.wire import WorkerInfo
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import REQUEST_ID, Proxy
-from gateway.redis_bus import RedisBus
 from loadtest.stack import ADMIN_KEY, Stack, StackConfig
 
 MODEL = "sim-model"

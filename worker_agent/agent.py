@@ -21,10 +21,9 @@ import aiohttp
 import zmq.asyncio
 from aiohttp import web
 
-from gateway.aio import wait_event
-from gateway.bus import BusError, Cleared, EventBus, WorkerInfo
-from gateway.index import key_digest
-from gateway.keys import BlockKeyer
+from gateway.contract.bus import BusError, EventBus, wait_event
+from gateway.contract.wire import Cleared, WorkerInfo, key_digest
+from gateway.routing.keys import BlockKeyer
 from worker_agent.config import AgentConfig
 from worker_agent.engines import adapter_for
 from worker_agent.engines.base import (

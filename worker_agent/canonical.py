@@ -28,7 +28,7 @@ from collections import Counter
 from itertools import repeat
 from typing import Final, NamedTuple
 
-from gateway.keys import BlockKeyer, InvalidTokens
+from gateway.routing.keys import BlockKeyer, InvalidTokens
 from worker_agent.engines.decode import BlockRemoved, BlockStored, EngineHash
 
 __all__ = ["Chain", "RankCanonicaliser"]

@@ -10,8 +10,8 @@ import signal
 import sys
 from typing import Any
 
-from gateway.config import ConfigError, load_config, parse_assignments
-from gateway.redis_bus import RedisBus
+from gateway.contract.redis_bus import RedisBus
+from gateway.contract.settings import ConfigError, load_config, parse_assignments
 from worker_agent.agent import Agent
 from worker_agent.config import ENV_PREFIX, AgentConfig
 

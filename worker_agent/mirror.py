@@ -8,7 +8,7 @@ It keeps each key's parent so a snapshot can be written as chains.
 
 from __future__ import annotations
 
-from gateway.bus import Cleared, Event, Removed, Stored
+from gateway.contract.wire import Cleared, Event, Removed, Stored
 from worker_agent.canonical import Chain
 
 __all__ = ["WorkerMirror"]

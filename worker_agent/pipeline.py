@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from gateway.bus import Event, Removed, Stored
-from gateway.keys import BlockKeyer
+from gateway.contract.wire import Event, Removed, Stored
+from gateway.routing.keys import BlockKeyer
 from worker_agent.canonical import RankCanonicaliser
 from worker_agent.engines.decode import (
     BadBatch,

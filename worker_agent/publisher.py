@@ -22,18 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.aio import wait_event
-from gateway.bus import (
-    PROTOCOL_VERSION,
-    BusError,
-    Cleared,
-    Entry,
-    Event,
-    EventBus,
-    Removed,
-    Snapshot,
-    Stored,
-)
+from gateway.contract.bus import BusError, EventBus, wait_event
+from gateway.contract.wire import PROTOCOL_VERSION, Cleared, Entry, Event, Removed, Snapshot, Stored
 from worker_agent.canonical import Chain
 from worker_agent.metrics import AgentMetrics
 from worker_agent.mirror import build_chains

@@ -37,9 +37,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from gateway.bus import Entry, Removed, Stored
 from gateway.consumer import Consumer, ConsumerConfig
-from gateway.redis_bus import RedisBus
+from gateway.contract.redis_bus import RedisBus
+from gateway.contract.wire import Entry, Removed, Stored
 from loadtest.harness import ChildProcess, RedisServer, free_ports
 
 NAME = "events"
@@ -318,7 +318,7 @@ async def _stream_size(bus: RedisBus, url: str) -> tuple[int, int, int]:
 
     r = aioredis.Redis.from_url(url)
     try:
-        key = bus.stream_key(WORKER)
+        key = bus.layout.stream(WORKER)
         memory = int(await r.memory_usage(key, samples=0) or 0)
         blocks = payload = 0
         last = "-"

@@ -28,11 +28,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from gateway.index import ShadowIndex
-from gateway.keys import BlockKeyer
-from gateway.load import EngineReport
-from gateway.policy import make_policy
-from gateway.router import Router
+from gateway.contract.wire import EngineReport
+from gateway.routing.index import ShadowIndex
+from gateway.routing.keys import BlockKeyer
+from gateway.routing.policy import make_policy
+from gateway.routing.router import Router
 
 NAME = "index"
 HELP = "routing core: decision latency, event apply rate, index memory (P1-P3)"

@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from gateway.config import ConfigError, parse_assignments
+from gateway.contract.settings import ConfigError, parse_assignments
 from loadtest.enginesim.config import SimConfig, load_sim_config
 from loadtest.enginesim.timing import PRESETS
 

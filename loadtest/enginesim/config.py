@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gateway.config import load_config
+from gateway.contract.settings import load_config
 
 __all__ = [
     "ENV_PREFIX",

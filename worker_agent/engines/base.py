@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.load import EngineReport
+from gateway.contract.wire import EngineReport
 
 __all__ = [
     "DiscoveryError",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.load import EngineReport
+from gateway.contract.wire import EngineReport
 from worker_agent.engines.base import (
     Discovery,
     DiscoveryError,

@@ -4,7 +4,7 @@ A policy sees one request and a ``PoolView`` of the eligible workers (the pool's
 workers minus any excluded for this request): their prefix matches from the shadow index
 and their load, with the pool already ordered by load (idle workers; busy workers by queued
 prefill), so a policy can decide without scanning every worker. It returns a ``Decision``
-that carries its own explanation. Policies live one per module in ``gateway/policies/`` and
+that carries its own explanation. Policies live one per module in ``gateway/routing/policies/`` and
 register themselves by name; ``make_policy(name)`` builds one.
 """
 
@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from gateway.costmodel import CostModel
-from gateway.load import LoadTracker, LoadView
-from gateway.popularity import PrefixPopularity
+from gateway.routing.costmodel import CostModel
+from gateway.routing.load import LoadTracker, LoadView
+from gateway.routing.popularity import PrefixPopularity
 
 __all__ = [
     "CandidateScore",
@@ -172,7 +172,7 @@ def register(cls: P) -> P:
 
 
 def _load_builtin() -> None:
-    import gateway.policies  # noqa: F401  (each module registers itself)
+    import gateway.routing.policies  # noqa: F401  (each module registers itself)
 
 
 def policy_names() -> list[str]:

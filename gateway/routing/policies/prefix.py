@@ -6,7 +6,7 @@ request onto its holder.
 
 from __future__ import annotations
 
-from gateway.policy import (
+from gateway.routing.policy import (
     Decision,
     Policy,
     PolicyContext,

@@ -1,14 +1,6 @@
 """``RedisBus``: the event bus on Redis Streams (redis-py asyncio, RESP2).
 
-Key layout (``prefix`` defaults to ``kvroute:``; docs/protocol.md, "Redis keys"):
-
-* ``{prefix}stream:{worker}`` — the worker's stream; one field ``e`` per entry (msgpack);
-* ``{prefix}snapshot:{worker}`` — the latest snapshot (msgpack string);
-* ``{prefix}worker:{worker}`` — the registration (JSON string, expires after the TTL);
-* ``{prefix}workers`` — set of worker ids ever registered (registrations expire, members are
-  pruned by readers when their key is gone);
-* ``{prefix}load:{worker}`` — the latest load report (msgpack string with a TTL).
-
+The key layout is ``gateway.contract.wire.RedisLayout`` (docs/protocol.md, "Redis keys").
 Appends are pipelined (one round trip per batch); reads use one XREAD over all streams.
 ``rediss://`` URLs use TLS; a password in the URL (or ``password=``) sends AUTH.
 """
@@ -21,12 +13,13 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.bus import (
-    BusError,
+from gateway.contract.bus import BusError, EventBus, StreamRead
+from gateway.contract.wire import (
+    ENTRY_FIELD,
+    EngineReport,
     Entry,
-    EventBus,
+    RedisLayout,
     Snapshot,
-    StreamRead,
     WorkerInfo,
     decode_report,
     decode_snapshot,
@@ -37,11 +30,8 @@ from gateway.bus import (
     encode_worker,
     try_decode_entry,
 )
-from gateway.load import EngineReport
 
 __all__ = ["RedisBus"]
-
-_FIELD = b"e"
 
 
 class RedisBus(EventBus):
@@ -62,7 +52,7 @@ class RedisBus(EventBus):
         connect_timeout: float = 2.0,
         **kwargs: Any,
     ) -> None:
-        self.prefix = prefix
+        self.layout = RedisLayout(prefix)
         self.max_stream_len = max_stream_len
         opts: dict[str, Any] = {
             "socket_timeout": socket_timeout,
@@ -77,36 +67,18 @@ class RedisBus(EventBus):
         # XREAD BLOCK holds its connection: give blocking reads their own client.
         self._reader: aioredis.Redis = aioredis.Redis.from_url(url, **opts)
 
-    # -- key names --------------------------------------------------------------------------
-
-    def stream_key(self, worker: str) -> str:
-        return f"{self.prefix}stream:{worker}"
-
-    def snapshot_key(self, worker: str) -> str:
-        return f"{self.prefix}snapshot:{worker}"
-
-    def worker_key(self, worker: str) -> str:
-        return f"{self.prefix}worker:{worker}"
-
-    def load_key(self, worker: str) -> str:
-        return f"{self.prefix}load:{worker}"
-
-    @property
-    def workers_key(self) -> str:
-        return f"{self.prefix}workers"
-
     # -- streams ----------------------------------------------------------------------------
 
     async def append(self, worker: str, entries: Sequence[Entry]) -> list[str]:
         if not entries:
             return []
-        key = self.stream_key(worker)
+        key = self.layout.stream(worker)
         try:
             async with self._r.pipeline(transaction=False) as pipe:
                 for entry in entries:
                     pipe.xadd(
                         key,
-                        {_FIELD: encode_entry(entry)},
+                        {ENTRY_FIELD: encode_entry(entry)},
                         maxlen=self.max_stream_len,
                         approximate=True,
                     )
@@ -120,8 +92,7 @@ class RedisBus(EventBus):
     ) -> list[StreamRead]:
         if not positions:
             return []
-        streams = {self.stream_key(w): pos for w, pos in positions.items()}
-        cut = len(self.prefix) + len("stream:")
+        streams = {self.layout.stream(w): pos for w, pos in positions.items()}
         try:
             reply: Any = await self._reader.xread(streams, count=count, block=block_ms)  # type: ignore[arg-type]
         except (RedisError, OSError) as exc:
@@ -129,18 +100,18 @@ class RedisBus(EventBus):
         out = []
         for key, items in reply or []:
             entries = [(_s(sid), _decode_fields(fields)) for sid, fields in items]
-            out.append(StreamRead(_s(key)[cut:], entries))
+            out.append(StreamRead(self.layout.stream_worker(_s(key)), entries))
         return out
 
     async def trim(self, worker: str, min_id: str) -> None:
         try:
-            await self._r.xtrim(self.stream_key(worker), minid=min_id, approximate=True)
+            await self._r.xtrim(self.layout.stream(worker), minid=min_id, approximate=True)
         except (RedisError, OSError) as exc:
             raise BusError(f"XTRIM failed: {exc}") from exc
 
     async def stream_bytes(self, worker: str) -> int:
         try:
-            return int(await self._r.memory_usage(self.stream_key(worker), samples=0) or 0)
+            return int(await self._r.memory_usage(self.layout.stream(worker), samples=0) or 0)
         except (RedisError, OSError) as exc:
             raise BusError(f"MEMORY USAGE failed: {exc}") from exc
 
@@ -148,13 +119,13 @@ class RedisBus(EventBus):
 
     async def write_snapshot(self, worker: str, snapshot: Snapshot) -> None:
         try:
-            await self._r.set(self.snapshot_key(worker), encode_snapshot(snapshot))
+            await self._r.set(self.layout.snapshot(worker), encode_snapshot(snapshot))
         except (RedisError, OSError) as exc:
             raise BusError(f"snapshot write failed: {exc}") from exc
 
     async def read_snapshot(self, worker: str) -> Snapshot | None:
         try:
-            data: Any = await self._r.get(self.snapshot_key(worker))
+            data: Any = await self._r.get(self.layout.snapshot(worker))
         except (RedisError, OSError) as exc:
             raise BusError(f"snapshot read failed: {exc}") from exc
         if data is None:
@@ -169,8 +140,8 @@ class RedisBus(EventBus):
     async def register(self, info: WorkerInfo, ttl: float) -> None:
         try:
             async with self._r.pipeline(transaction=False) as pipe:
-                pipe.set(self.worker_key(info.worker_id), encode_worker(info), px=_ms(ttl))
-                pipe.sadd(self.workers_key, info.worker_id)
+                pipe.set(self.layout.worker(info.worker_id), encode_worker(info), px=_ms(ttl))
+                pipe.sadd(self.layout.workers, info.worker_id)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             raise BusError(f"register failed: {exc}") from exc
@@ -178,18 +149,18 @@ class RedisBus(EventBus):
     async def deregister(self, worker: str) -> None:
         try:
             async with self._r.pipeline(transaction=False) as pipe:
-                pipe.delete(self.worker_key(worker), self.load_key(worker))
-                pipe.srem(self.workers_key, worker)
+                pipe.delete(self.layout.worker(worker), self.layout.load(worker))
+                pipe.srem(self.layout.workers, worker)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             raise BusError(f"deregister failed: {exc}") from exc
 
     async def workers(self) -> dict[str, WorkerInfo]:
         try:
-            ids = sorted(_s(m) for m in await self._r.smembers(self.workers_key))
+            ids = sorted(_s(m) for m in await self._r.smembers(self.layout.workers))
             if not ids:
                 return {}
-            values: list[Any] = await self._r.mget([self.worker_key(w) for w in ids])
+            values: list[Any] = await self._r.mget([self.layout.worker(w) for w in ids])
         except (RedisError, OSError) as exc:
             raise BusError(f"registry read failed: {exc}") from exc
         out = {}
@@ -204,7 +175,7 @@ class RedisBus(EventBus):
                 continue
         if lapsed:  # keep the set bounded; a live agent re-adds itself every heartbeat
             try:
-                await self._r.srem(self.workers_key, *lapsed)
+                await self._r.srem(self.layout.workers, *lapsed)
             except (RedisError, OSError) as exc:
                 raise BusError(f"registry prune failed: {exc}") from exc
         return out
@@ -213,7 +184,7 @@ class RedisBus(EventBus):
 
     async def publish_report(self, worker: str, report: EngineReport, ttl: float) -> None:
         try:
-            await self._r.set(self.load_key(worker), encode_report(report), px=_ms(ttl))
+            await self._r.set(self.layout.load(worker), encode_report(report), px=_ms(ttl))
         except (RedisError, OSError) as exc:
             raise BusError(f"load report failed: {exc}") from exc
 
@@ -221,7 +192,7 @@ class RedisBus(EventBus):
         if not workers:
             return {}
         try:
-            values: list[Any] = await self._r.mget([self.load_key(w) for w in workers])
+            values: list[Any] = await self._r.mget([self.layout.load(w) for w in workers])
         except (RedisError, OSError) as exc:
             raise BusError(f"load read failed: {exc}") from exc
         out = {}
@@ -253,5 +224,5 @@ def _ms(seconds: float) -> int:
 
 
 def _decode_fields(fields: Mapping[bytes, bytes]) -> Entry | None:
-    data = fields.get(_FIELD)
+    data = fields.get(ENTRY_FIELD)
     return None if data is None else try_decode_entry(data)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.policy import (
+from gateway.routing.policy import (
     Decision,
     Policy,
     PolicyContext,

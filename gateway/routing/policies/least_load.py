@@ -7,7 +7,7 @@ prefill work, wins. Sampling two instead of taking the global minimum avoids the
 
 from __future__ import annotations
 
-from gateway.policy import (
+from gateway.routing.policy import (
     Decision,
     Policy,
     PolicyContext,

@@ -16,10 +16,10 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from gateway.costmodel import CostModel
-from gateway.index import ShadowIndex
-from gateway.load import LoadTracker
-from gateway.policy import Decision, Policy, PolicyContext, PoolView, RouteRequest
+from gateway.routing.costmodel import CostModel
+from gateway.routing.index import ShadowIndex
+from gateway.routing.load import LoadTracker
+from gateway.routing.policy import Decision, Policy, PolicyContext, PoolView, RouteRequest
 
 __all__ = ["NoCandidates", "Router", "Ticket"]
 

@@ -18,24 +18,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-__all__ = ["EngineReport", "LoadTracker", "LoadView"]
+from gateway.contract.wire import EngineReport
 
-
-@dataclass(frozen=True)
-class EngineReport:
-    """A worker's load as its engine reports it (agent -> bus -> gateway).
-
-    Counters are cumulative as the engine exports them; ``ts`` is the wall-clock time
-    (``time.time()``) of the scrape, so consumers can judge its age.
-    """
-
-    running: int = 0  # requests being prefilled or decoded
-    waiting: int = 0  # requests queued in the engine
-    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
-    waiting_prefill_tokens: int | None = None  # uncached prompt tokens queued, if the engine says
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
-    prefix_cache_hits: int = 0  # tokens found (cumulative)
-    ts: float = 0.0
+__all__ = ["LoadTracker", "LoadView"]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from gateway.policy import (
+from gateway.routing.policy import (
     Decision,
     Policy,
     PolicyContext,

@@ -3,17 +3,8 @@
 ``EventBus`` is a small abstract base (like an httpx transport): the worker agent writes
 through it, the gateway's consumer reads through it, and implementations are
 interchangeable. ``MemoryBus`` keeps everything in process (the demo without a
-redis-server, fast unit tests); ``gateway.redis_bus.RedisBus`` is the production one.
-
-The wire types live here too, with their encoding, so that every implementation stores the
-same bytes (docs/protocol.md is the contract):
-
-* a stream ``Entry`` is one batch of canonical events (``Stored``, ``Removed``, ``Cleared``)
-  from one agent, tagged with the agent's epoch and a gap-free sequence number;
-* a ``Snapshot`` is a worker's full canonical key set (as parent-linked chains) and the
-  stream position it corresponds to;
-* a ``WorkerInfo`` is a worker's registration record (heartbeated with a TTL);
-* load reports are ``gateway.load.EngineReport``.
+redis-server, fast unit tests); ``gateway.contract.redis_bus.RedisBus`` is the production one.
+Both store the bytes that ``gateway.contract.wire`` defines.
 """
 
 from __future__ import annotations
@@ -25,172 +16,45 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
-from gateway.load import EngineReport
+from gateway.contract.wire import (
+    EngineReport,
+    Entry,
+    Snapshot,
+    WorkerInfo,
+    decode_report,
+    decode_snapshot,
+    decode_worker,
+    encode_entry,
+    encode_report,
+    encode_snapshot,
+    encode_worker,
+    try_decode_entry,
+)
 
 __all__ = [
-    "PROTOCOL_VERSION",
     "BusError",
-    "Cleared",
-    "Entry",
-    "Event",
     "EventBus",
     "MemoryBus",
-    "Removed",
-    "Snapshot",
-    "Stored",
     "StreamRead",
-    "WorkerInfo",
-    "decode_entry",
-    "decode_report",
-    "decode_snapshot",
-    "decode_worker",
-    "encode_entry",
-    "encode_report",
-    "encode_snapshot",
-    "encode_worker",
     "stream_id_after",
-    "try_decode_entry",
+    "wait_event",
 ]
 
-#: Entries and snapshots carry this; readers refuse a larger one (docs/protocol.md).
-PROTOCOL_VERSION = 1
+
+async def wait_event(event: asyncio.Event, seconds: float) -> bool:
+    """Wait for ``event`` up to ``seconds``; True if set. (``asyncio.timeout``, not
+    ``wait_for``: on Python 3.11 ``wait_for`` can swallow a cancellation that races its
+    timeout, and a loop that swallows its cancellation never stops.)"""
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+        return True
+    except TimeoutError:
+        return False
 
 
 class BusError(ConnectionError):
     """The bus is unreachable or refused an operation (callers retry with backoff)."""
-
-
-# -- canonical events (the payload of a stream entry) ----------------------------------------
-
-
-class Stored(msgspec.Struct, array_like=True, tag=0, frozen=True):
-    """The worker now holds ``keys``: a chain whose first key follows ``parent`` (None: root)."""
-
-    parent: int | None
-    keys: list[int]
-
-
-class Removed(msgspec.Struct, array_like=True, tag=1, frozen=True):
-    """The worker no longer holds ``keys``."""
-
-    keys: list[int]
-
-
-class Cleared(msgspec.Struct, array_like=True, tag=2, frozen=True):
-    """The worker holds nothing (engine reset or restart, agent resync)."""
-
-
-Event = Stored | Removed | Cleared
-
-
-class Entry(msgspec.Struct, array_like=True):
-    """One stream entry: a batch of canonical events from one agent run (epoch).
-
-    ``seq`` counts entries of the epoch from 1 without gaps, so a reader that sees
-    ``seq > last + 1`` knows it missed entries (trimmed or lost). ``ts`` is the engine's
-    timestamp of the oldest engine batch inside (event-to-index lag), ``pts`` the publish
-    time; ``eseq`` lists ``(dp_rank, first, last)`` engine sequence numbers covered.
-    """
-
-    v: int
-    epoch: int
-    seq: int
-    ts: float
-    pts: float
-    eseq: list[tuple[int, int, int]]
-    events: list[Event]
-
-
-class Snapshot(msgspec.Struct, array_like=True):
-    """A worker's whole canonical state after entry ``seq`` (stream id ``stream_id``)."""
-
-    v: int
-    epoch: int
-    seq: int
-    stream_id: str
-    ts: float
-    chains: list[tuple[int | None, list[int]]]
-
-    def keys(self) -> set[int]:
-        return {k for _, chain in self.chains for k in chain}
-
-
-_entry_enc = msgspec.msgpack.Encoder()
-_entry_dec = msgspec.msgpack.Decoder(Entry)
-_snap_dec = msgspec.msgpack.Decoder(Snapshot)
-
-
-def encode_entry(entry: Entry) -> bytes:
-    return _entry_enc.encode(entry)
-
-
-def decode_entry(data: bytes) -> Entry:
-    """Raises ``msgspec.DecodeError`` / ``ValueError`` on garbage or a newer protocol."""
-    entry = _entry_dec.decode(data)
-    if entry.v > PROTOCOL_VERSION:
-        raise ValueError(f"entry protocol v{entry.v} is newer than v{PROTOCOL_VERSION}")
-    return entry
-
-
-def encode_snapshot(snap: Snapshot) -> bytes:
-    return _entry_enc.encode(snap)
-
-
-def decode_snapshot(data: bytes) -> Snapshot:
-    snap = _snap_dec.decode(data)
-    if snap.v > PROTOCOL_VERSION:
-        raise ValueError(f"snapshot protocol v{snap.v} is newer than v{PROTOCOL_VERSION}")
-    return snap
-
-
-# -- registration and load ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """A worker's registration record: what the gateway needs to route to it.
-
-    ``epoch`` identifies the agent run that wrote it (entries of other epochs are stale).
-    ``kv_capacity_blocks`` is in canonical blocks (``block_size`` tokens each).
-    """
-
-    worker_id: str
-    url: str
-    model: str
-    pool: str = ""
-    engine: str = "vllm"
-    engine_block_size: int = 16
-    block_size: int = 16
-    kv_capacity_blocks: int | None = None
-    dp_size: int = 1
-    labels: dict[str, str] = field(default_factory=dict)
-    epoch: int = 0
-    started_at: float = 0.0
-    version: int = PROTOCOL_VERSION
-
-
-_json_enc = msgspec.json.Encoder()
-_worker_dec = msgspec.json.Decoder(WorkerInfo)
-_report_dec = msgspec.msgpack.Decoder(EngineReport)
-
-
-def encode_worker(info: WorkerInfo) -> bytes:
-    """JSON, so that ``redis-cli GET`` shows a readable registration."""
-    return _json_enc.encode(info)
-
-
-def decode_worker(data: bytes) -> WorkerInfo:
-    return _worker_dec.decode(data)
-
-
-def encode_report(report: EngineReport) -> bytes:
-    return _entry_enc.encode(report)
-
-
-def decode_report(data: bytes) -> EngineReport:
-    return _report_dec.decode(data)
 
 
 # -- the seam --------------------------------------------------------------------------------
@@ -410,11 +274,3 @@ class MemoryBus(EventBus):
         self._snapshots.clear()
         self._workers.clear()
         self._reports.clear()
-
-
-def try_decode_entry(data: bytes) -> Entry | None:
-    """The entry, or None if it is garbage or from a newer protocol."""
-    try:
-        return decode_entry(data)
-    except (msgspec.DecodeError, ValueError):
-        return None

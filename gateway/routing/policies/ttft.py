@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from itertools import repeat
 
-from gateway.policy import (
+from gateway.routing.policy import (
     CandidateScore,
     Decision,
     Policy,

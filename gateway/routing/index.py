@@ -32,14 +32,13 @@ Rules (docs/protocol.md, "Index semantics"):
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
-__all__ = ["IndexStats", "ShadowIndex", "key_digest"]
+__all__ = ["IndexStats", "ShadowIndex"]
 
 
 @dataclass
@@ -631,16 +630,6 @@ class ShadowIndex:
             if node.keys:
                 yield node.keys, node.mask
             stack.extend(node.children.values())
-
-
-def key_digest(keys: Iterable[int]) -> str:
-    """Order-independent digest of a key set: equal sets, equal digests. The gateway's
-    ``/debug/index`` and the agent's ``/mirror`` publish it so convergence can be checked
-    from outside both processes."""
-    h = hashlib.sha256()
-    for k in sorted(keys):
-        h.update(k.to_bytes(8, "little"))
-    return h.hexdigest()[:32]
 
 
 def _offset(node: _Node, key: int) -> int:

