@@ -159,6 +159,10 @@ class Registry:
             labels=dict(info.labels) if info else {},
         )
         pool.router.add_worker(wid)
+        if info is not None:  # a pool's engines share one block size; take the coarsest
+            pool.router.engine_block_size = max(
+                pool.router.engine_block_size, info.engine_block_size
+            )
 
     def _remove(self, wid: str) -> None:
         entry = self.workers.pop(wid, None)

@@ -247,3 +247,74 @@ def test_a_wave_of_many_stores_is_keyed_at_once() -> None:
     for i, s in enumerate(seqs):
         if i != 5:
             assert out[i] == [(None, KEYER.keys(s))]
+
+
+def test_mla_group_is_indexed() -> None:
+    """DeepSeek-V3/R1, Kimi-K2: one group of kind ``mla_attention``."""
+    canon = RankCanonicaliser(KEYER)
+    toks = list(range(64))
+    blocks = engine_blocks(toks, 16)
+    ev = BlockStored([h for h, _ in blocks], None, toks, 16, group_idx=0, spec_kind="mla_attention")
+    assert canon.stored(ev) == [(None, KEYER.keys(toks))]
+    assert canon.group == 0 and not canon.dropped
+
+
+def _grouped(canon: RankCanonicaliser, kinds: list[str], blocks: list, parent: object) -> list:
+    """Store ``blocks`` once per group, as vLLM does: same hashes, group order."""
+    chains = []
+    for g, kind in enumerate(kinds):
+        ev = BlockStored(
+            [h for h, _ in blocks],
+            parent,
+            [t for _, b in blocks for t in b],
+            16,
+            group_idx=g,
+            spec_kind=kind,
+        )
+        chains.extend(canon.stored(ev))
+    return chains
+
+
+def test_hybrid_model_indexes_its_full_attention_group_by_kind_not_index() -> None:
+    """gpt-oss / Gemma 3: sliding-window groups come first. The full-attention group is
+    chosen by kind, and the sliding-window copies of the same hashes never touch it."""
+    kinds = ["sliding_window", "sliding_window", "full_attention"]
+    canon = RankCanonicaliser(KEYER)
+    toks = list(range(96))
+    blocks = engine_blocks(toks, 16)
+    chains = _grouped(canon, kinds, blocks[:4], None)
+    chains += _grouped(canon, kinds, blocks[4:], blocks[3][0])
+    assert canon.group == 2
+    assert {k for _, run in chains for k in run} == set(KEYER.keys(toks)) == canon.held
+    assert canon.dropped["group"] == 2 * 6  # each sliding-window copy of six blocks
+    # The sliding-window groups free their early blocks first: same hashes, other groups.
+    for g in (0, 1):
+        for h, _ in blocks[:4]:
+            assert canon.removed(BlockRemoved([h], "GPU", group_idx=g)) == []
+    assert canon.held == set(KEYER.keys(toks))
+    # The full-attention group's own removal does remove.
+    gone = canon.removed(BlockRemoved([blocks[5][0]], "GPU", group_idx=2))
+    assert gone == [KEYER.keys(toks)[5]]
+
+
+def test_group_selection_is_forgotten_on_clear() -> None:
+    canon = RankCanonicaliser(KEYER)
+    toks = list(range(16))
+    ((h, _),) = engine_blocks(toks, 16)
+    canon.stored(BlockStored([h], None, toks, 16, group_idx=1, spec_kind="full_attention"))
+    assert canon.group == 1
+    canon.cleared()
+    assert canon.group is None
+    canon.stored(BlockStored([h], None, toks, 16, group_idx=0, spec_kind="mla_attention"))
+    assert canon.group == 0 and canon.held == set(KEYER.keys(toks))
+
+
+def test_groups_without_kinds_keep_group_zero_only() -> None:
+    """vLLM before kinds were published: group 0 is the plain model's one group."""
+    canon = RankCanonicaliser(KEYER)
+    toks = list(range(32))
+    blocks = engine_blocks(toks, 16)
+    hashes = [h for h, _ in blocks]
+    assert canon.stored(BlockStored(hashes, None, toks, 16, group_idx=1)) == []
+    assert canon.stored(BlockStored(hashes, None, toks, 16, group_idx=0)) != []
+    assert canon.held == set(KEYER.keys(toks))

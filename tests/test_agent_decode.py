@@ -137,3 +137,72 @@ def test_limits() -> None:
     big = stored_event(f, [1, 2, 3], None, list(range(48)), 16)
     batch = decode_batch(batch_payload([big]), limits)
     assert batch.events == [] and batch.bad == ["too_large"]
+
+
+def _sglang_map_stored(hashes: list[int], tokens: list, bs: int) -> dict:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": bs,
+        "lora_id": None,
+    }
+
+
+def test_sglang_bigram_pairs_decode_to_their_first_tokens() -> None:
+    """SGLang with EAGLE/MTP publishes ``[t_j, t_j+1]`` pairs: KV slot j holds ``t_j``."""
+    raw = list(range(100, 109))  # 9 raw tokens: 8 bigrams, two pages of 4
+    pairs = [[raw[j], raw[j + 1]] for j in range(8)]
+    batch = decode_batch(msgspec.msgpack.encode([1.0, [_sglang_map_stored([-5, 7], pairs, 4)], 0]))
+    assert batch.bad == []
+    (st,) = batch.events
+    assert isinstance(st, BlockStored)
+    assert st.token_ids == raw[:8] and st.block_size == 4 and st.hashes == [-5, 7]
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [[1, 2], [2]],  # a pair of one
+        [[1, 2], [2, 3, 4]],  # a triple
+        [[1, 2], 3],  # mixed
+        [[1, "2"], [2, 3]],  # not an int
+        [[1, 2], [2, 3.0]],
+    ],
+)
+def test_malformed_bigram_pairs_are_bad_events(tokens: list) -> None:
+    batch = decode_batch(msgspec.msgpack.encode([1.0, [_sglang_map_stored([1], tokens, 2)], 0]))
+    assert batch.events == [] and batch.bad == ["wrong_type"]
+
+
+def test_sliding_window_stores_may_be_sparse_but_full_attention_stores_may_not() -> None:
+    """vLLM 0.33 keeps only the tail a sliding-window group needs: its stores can carry no
+    hashes, or tokens that do not line up with them. A whole-prefix group's cannot."""
+
+    def stored(kind: str, hashes: list[int], n_tokens: int) -> dict:
+        return {
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": None,
+            "token_ids": list(range(n_tokens)),
+            "block_size": 16,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "group_idx": 0,
+            "kv_cache_spec_kind": kind,
+        }
+
+    events = [
+        stored("sliding_window", [], 48),
+        stored("mamba", [9], 48),
+        stored("full_attention", [9], 48),
+        stored("mla_attention", [], 16),
+    ]
+    batch = decode_batch(msgspec.msgpack.encode([1.0, events, 0]))
+    assert [e.spec_kind for e in batch.events if isinstance(e, BlockStored)] == [
+        "sliding_window",
+        "mamba",
+    ]
+    assert batch.bad == ["token_count", "wrong_type"]

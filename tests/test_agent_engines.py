@@ -63,6 +63,8 @@ def test_vllm_metrics() -> None:
         ts=9.0,
     )
     assert a.capacity_tokens(samples) == 2048 * 16
+    assert a.block_size(samples) == 16  # vLLM 0.32's /kv_event_sources does not say
+    assert a.block_size(parse_metrics("vllm:num_requests_running 1\n", a.metric_names)) is None
 
 
 def test_sglang_metrics() -> None:
@@ -90,6 +92,16 @@ def test_vllm_discovery_documents() -> None:
     assert [(s.endpoint, s.topic) for s in found.sources] == [
         ("tcp://h:6000", "kv"),
         ("tcp://h:6001", "kv"),
+    ]
+    # vLLM 0.32+: an object keyed by rank
+    keyed = {
+        "0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:7000"},
+        "1": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:7001"},
+    }
+    found = a.discover(keyed, "http://h:1")
+    assert [(s.rank, s.endpoint) for s in found.sources] == [
+        (0, "tcp://h:7000"),
+        (1, "tcp://h:7001"),
     ]
     with pytest.raises(DiscoveryError):
         a.discover({"enable_kv_cache_events": False, "endpoint": "tcp://*:1"}, "http://h:1")

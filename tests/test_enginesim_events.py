@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import pickle
+import random
 import struct
 from typing import Any
 
@@ -17,7 +19,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from loadtest.enginesim.config import EventsConfig
+from loadtest.enginesim.config import CacheConfig, EventsConfig, SchedulerConfig, SimConfig
 from loadtest.enginesim.events import EventEncoder, WireFormat
 from loadtest.enginesim.hashing import (
     VLLM_NONE_HASH,
@@ -33,6 +35,8 @@ from loadtest.enginesim.kvcache import (
     pack_tokens,
 )
 from loadtest.enginesim.publisher import END_SEQ, EventPublisher
+from loadtest.enginesim.scheduler import EngineCore
+from loadtest.enginesim.timing import timing_model
 
 # -- an independent decoder, from the field lists in engines.md ------------------------------
 
@@ -250,6 +254,61 @@ def test_replay_layout_follows_the_encoding_unless_set() -> None:
     assert not EventsConfig(encoding="array").replay_topic_frame
     assert EventsConfig(encoding="array", replay_layout="topic").replay_topic_frame
     assert not EventsConfig(encoding="map", replay_layout="legacy").replay_topic_frame
+
+
+# The same scenario's payloads, hashed, as the encoder produced them before KV-cache groups
+# and bigram keys existed (computed from that code): default settings must not change a byte.
+GOLDEN = {
+    ("vllm", "map", False): "a99d944675f5ec622bd33531a05d1b787b29a513953738b59ade14c9783cf9bc",
+    ("vllm", "map", True): "069678eb6153616e3a89def9ec0d22d8cca03aa263a0414616ad3bf78f27eef5",
+    ("vllm", "array", False): "e5b52835b69c36a76dc19917388409f01da3a8cd7225062469cbcc51825c5a0d",
+    ("vllm", "array", True): "b3357cfc6e3b52000af63bdd7e6d72931f65d00e68048ba773de9454a5f44b93",
+    ("sglang", "map", False): "37064867c6109936317e70446514a603fafadab7efa3644e7c689f7a966b0f83",
+    ("sglang", "array", False): "67503f1d8bc7b5e4c4e632ce1464ba5dc653c13490e0025882d59b1d064e6df4",
+}
+
+
+def golden_scenario(evict_whole_nodes: bool) -> list[list[Any]]:
+    """Cache event batches of a fixed workload: shared prefixes, cached outputs, evictions
+    (a 48-block pool) and a final reset."""
+    core = EngineCore(
+        CacheConfig(kv_blocks=48, block_size=4),
+        SchedulerConfig(max_num_batched_tokens=64),
+        timing_model("mocker"),
+        evict_whole_nodes=evict_whole_nodes,
+        output_tokens=(5, 6, 7),
+    )
+    rng = random.Random(1234)
+    shared = [rng.randrange(1, 50_000) for _ in range(22)]
+    batches: list[list[Any]] = []
+    t = 0.0
+    for i in range(30):
+        t += 0.05
+        batches.extend(r.events for r in core.advance(t) if r.events)
+        tail = [rng.randrange(1, 50_000) for _ in range(rng.randrange(1, 30))]
+        core.add_request((shared if i % 3 else shared[:9]) + tail, rng.randrange(1, 12), now=t)
+    batches.extend(r.events for r in core.advance(float("inf")) if r.events)
+    assert core.reset_prefix_cache()
+    batches.append(core.take_events())
+    return batches
+
+
+@pytest.mark.parametrize(("engine", "encoding", "as_bytes"), sorted(GOLDEN))
+def test_default_settings_publish_the_same_bytes_as_before(
+    engine: str, encoding: str, as_bytes: bool
+) -> None:
+    batches = golden_scenario(evict_whole_nodes=engine == "sglang")
+    kinds = {type(e).__name__ for b in batches for e in b}
+    assert kinds == {"BlocksStored", "BlocksRemoved", "AllBlocksCleared"}
+    sim = SimConfig(flavor=engine, events=EventsConfig(encoding=encoding))  # type: ignore[arg-type]
+    fmt = WireFormat.for_sim(sim)
+    assert fmt == WireFormat(engine, encoding, 16)  # type: ignore[arg-type]
+    fmt = dataclasses.replace(fmt, block_size=4, hash_bytes=as_bytes)
+    enc = EventEncoder(fmt)
+    digest = hashlib.sha256()
+    for i, batch in enumerate(batches):
+        digest.update(enc.encode(batch, float(i)))
+    assert digest.hexdigest() == GOLDEN[(engine, encoding, as_bytes)]
 
 
 def test_vllm_raw_digest_hashes() -> None:

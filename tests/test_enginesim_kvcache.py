@@ -19,12 +19,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from loadtest.enginesim.kvcache import (
+    BIGRAM_BYTES,
     AllBlocksCleared,
     BlockAllocator,
     BlocksRemoved,
     BlocksStored,
     PoolExhausted,
     RadixCache,
+    bigram_atoms,
     pack_tokens,
     unpack_tokens,
 )
@@ -281,3 +283,27 @@ def test_clear_refused_while_pinned() -> None:
     assert cache.clear()
     assert cache.cached_blocks == 0 and alloc.num_free == 8 and cache.match(t).blocks == 0
     assert isinstance(cache.take_events()[-1], AllBlocksCleared)
+
+
+def test_bigram_atoms_pair_each_token_with_the_next() -> None:
+    assert bigram_atoms(pack_tokens([7, 8, 2**32 - 1])) == pack_tokens([7, 8, 8, 2**32 - 1])
+    assert bigram_atoms(pack_tokens([7])) == b"" == bigram_atoms(b"")
+
+
+def test_cache_over_bigram_atoms_splits_and_matches_on_whole_pairs() -> None:
+    """Blocks of 2 bigram atoms (8 bytes each): a block is reused only if all its pairs match,
+    so a difference in the token after a block breaks that block's match."""
+    alloc = BlockAllocator(8)
+    cache = RadixCache(alloc, 2, atom_bytes=BIGRAM_BYTES)
+    a = bigram_atoms(pack_tokens([1, 2, 3, 4, 5, 6, 7]))  # 6 atoms: 3 blocks
+    node = cache.insert(cache.acquire(cache.match(a), 0.0), a, 0, alloc.allocate(3), 1.0)
+    cache.release(node, 1.0)
+    (stored,) = cache.take_events()
+    assert isinstance(stored, BlocksStored) and stored.tokens == a
+    b = bigram_atoms(pack_tokens([1, 2, 3, 4, 9, 6, 7]))  # block 1 is (3,4)(4,9)
+    assert cache.match(b).blocks == 1
+    assert cache.match(a, max_blocks=2).blocks == 2
+    m = cache.match(b)
+    node = cache.insert(cache.acquire(m, 2.0), b, 1, alloc.allocate(2), 2.0)
+    assert cache.num_nodes == 3 and cache.cached_blocks == 5  # split after block 0
+    assert sorted(len(t) for t, _, _ in cache.nodes()) == [16, 48, 48]

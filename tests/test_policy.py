@@ -414,3 +414,15 @@ def test_busy_workers_within_one_engine_step_take_turns(step_ties: float) -> Non
         assert gap > max(pol.tie_ms, scores["w1"] * pol.tie_ratio)  # not a plain near-tie
         assert (gap <= window) == expect_turns, (gap, window)
         assert d.worker == ("w0" if expect_turns else "w1")
+
+
+def test_predicted_reuse_stops_before_the_prompts_last_token() -> None:
+    """The engines always compute the prompt's last token: a fully cached 32-token prompt
+    reuses 16 tokens at block size 16, a 33-token one 32."""
+    assert RouteRequest([1, 2], prompt_tokens=32, block_size=16).matched_tokens(2) == 16
+    assert RouteRequest([1, 2], prompt_tokens=33, block_size=16).matched_tokens(2) == 32
+    assert RouteRequest([1, 2], prompt_tokens=33, block_size=16).matched_tokens(1) == 16
+    assert RouteRequest([], prompt_tokens=1, block_size=16).matched_tokens(0) == 0
+    # engines with 32-token blocks under 16-token canonical keys reuse whole 32s
+    r = RouteRequest([1, 2, 3], prompt_tokens=60, block_size=16, engine_block_size=32)
+    assert r.matched_tokens(3) == 32 and r.matched_tokens(1) == 0

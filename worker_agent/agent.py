@@ -262,6 +262,10 @@ class Agent:
                 self._capacity.tokens = (
                     self.adapter.capacity_tokens(samples) or self._capacity.tokens
                 )
+                if self.config.engine.block_size is None:  # a configured size wins
+                    self.engine_block_size = (
+                        self.adapter.block_size(samples) or self.engine_block_size
+                    )
                 report = self.adapter.report(samples, time.time())
                 await self.bus.publish_report(self.config.worker_id, report, ttl)
                 failing = False

@@ -17,9 +17,16 @@ block. Engine blocks of another size ``E`` are re-chunked:
   holding its first tokens is gone by then, that key is not published (the engine could
   not serve it), the chain continues after it.
 
-Only GPU-resident, token-keyed blocks are canonical: other media (CPU, disk tiers), LoRA /
-multimodal / salted blocks and non-full-attention groups are dropped and counted; their
-removals are dropped alike, so they never touch the GPU key set.
+Only GPU-resident, token-keyed blocks of one KV-cache group are canonical. vLLM publishes
+every block once per KV-cache group, with the same block hashes in every group, labelled with
+the group's index and kind. The indexed group is chosen by kind, not by index: the first
+group seen whose kind can serve a whole prefix (``full_attention``, ``mla_attention``: MLA
+models such as DeepSeek-V3/R1 and Kimi-K2 have only that group; hybrid models such as gpt-oss
+and Gemma 3 number their sliding-window groups first). Blocks are then keyed by (group, hash):
+a store or removal of another group never touches the indexed group's blocks. Events without
+a group (SGLang, older vLLM) are the one group. Other media (CPU, disk tiers), LoRA /
+multimodal / salted blocks and other groups are dropped and counted; docs/protocol.md says
+what a hit means when a sliding-window or Mamba group limits it.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from itertools import repeat
 from typing import Final, NamedTuple
 
 from gateway.routing.keys import BlockKeyer, InvalidTokens
-from worker_agent.engines.decode import BlockRemoved, BlockStored, EngineHash
+from worker_agent.engines.decode import PREFIX_KINDS, BlockRemoved, BlockStored, EngineHash
 
 __all__ = ["Chain", "RankCanonicaliser"]
 
@@ -73,11 +80,10 @@ class RankCanonicaliser:
         self,
         keyer: BlockKeyer,
         gpu_media: frozenset[str | None] = frozenset({None, "GPU"}),
-        group_idx: int = 0,
     ) -> None:
         self.keyer = keyer
         self.gpu_media = gpu_media
-        self.group_idx = group_idx
+        self.group: int | None = None  # the indexed KV-cache group, once one is seen
         self.blocks: dict[EngineHash, _Block] = {}
         self.count: dict[int, int] = {}  # held key -> engine blocks completing it
         self.dropped: Counter[str] = Counter()  # blocks not canonicalised, by reason
@@ -106,7 +112,7 @@ class RankCanonicaliser:
 
     def removed(self, ev: BlockRemoved) -> list[int]:
         """Apply a BlockRemoved; returns keys this rank no longer holds."""
-        reason = self._reject(ev.medium, ev.group_idx, None, False)
+        reason = self._reject_removal(ev.medium, ev.group_idx)
         if reason:
             self.dropped[reason] += len(ev.hashes)
             return []
@@ -138,6 +144,7 @@ class RankCanonicaliser:
         out = list(self.count)
         self.count.clear()
         self.blocks.clear()
+        self.group = None
         return out
 
     # -- internals --------------------------------------------------------------------------
@@ -202,12 +209,21 @@ class RankCanonicaliser:
     ) -> str | None:
         if medium not in self.gpu_media:
             return "medium"
-        if group is not None and group != self.group_idx:
+        if kind is not None and kind not in PREFIX_KINDS:
             return "group"
-        if kind is not None and kind != "full_attention":
-            return "group"
+        if group is not None and group != self.group:
+            if self.group is not None or not _selects(group, kind):
+                return "group"
+            self.group = group  # the first whole-prefix group stored
         if keyed:
             return "extra_keys"
+        return None
+
+    def _reject_removal(self, medium: str | None, group: int | None) -> str | None:
+        if medium not in self.gpu_media:
+            return "medium"
+        if group is not None and self.group is not None and group != self.group:
+            return "group"
         return None
 
     def _tail_owners(self, parent: EngineHash, need: int) -> list[EngineHash] | None:
@@ -293,6 +309,13 @@ class RankCanonicaliser:
                     count[k] = c + 1
             prev = h
         return fresh
+
+
+def _selects(group: int, kind: str | None) -> bool:
+    """Whether a stored block of ``group`` (of a whole-prefix kind, or of no stated kind)
+    makes it the indexed group. Without a kind (vLLM before kinds were published) only
+    group 0 can: the one group of a plain model."""
+    return kind is not None or group == 0
 
 
 def _chains(base: int | None, keys: list[int], fresh: set[int]) -> list[Chain]:

@@ -37,12 +37,14 @@ from zmq.utils.monitor import parse_monitor_message
 from worker_agent.engines.base import EventSource
 from worker_agent.metrics import AgentMetrics
 
-__all__ = ["BatchHandler", "RankSubscriber", "SeqTracker", "Verdict", "replay"]
+__all__ = ["BatchHandler", "RankSubscriber", "ReplayResult", "SeqTracker", "Verdict", "replay"]
 
 log = logging.getLogger(__name__)
 
 END_SEQ = b"\xff" * 8
 DRAIN_MAX = 64  # live messages handled between two yields to the event loop
+#: Silence, after a replay round's first message, that means the engine dropped the rest.
+REPLAY_IDLE_S = 0.25
 
 
 class BatchHandler(Protocol):
@@ -91,34 +93,89 @@ class SeqTracker:
         return any(seq == last and hash(p) == self.digest for seq, p in batches)
 
 
+@dataclass
+class ReplayResult:
+    """What a replay brought: ``batches`` in seq order without holes (the first may be later
+    than asked: the engine no longer buffers what came before), and how many extra rounds it
+    took to get past messages the engine's socket dropped."""
+
+    batches: list[tuple[int, bytes]]
+    resumed: int = 0
+
+
 async def replay(
-    ctx: zmq.asyncio.Context, endpoint: str, start: int, patience: float
-) -> list[tuple[int, bytes]] | None:
-    """Batches from ``start`` held by the engine's replay buffer; None if unavailable."""
+    ctx: zmq.asyncio.Context,
+    endpoint: str,
+    start: int,
+    patience: float,
+    idle: float = REPLAY_IDLE_S,
+) -> ReplayResult | None:
+    """Batches from ``start`` held by the engine's replay buffer; None if it never answers.
+
+    The engine answers a request with its whole buffer from ``start`` in one burst, and its
+    ROUTER socket silently drops what exceeds its send queue (vLLM 0.23 and SGLang 0.5.23 lose
+    everything past ~1,000 queued messages, the end marker included). So a reply is read in
+    rounds: each round asks from the first batch not yet received and keeps the contiguous
+    run it gets, until the end marker, a hole, or ``idle`` seconds of silence after its first
+    message. ``patience`` bounds the wait for a round's first message, per round, so a long
+    replay that keeps making progress never times out. The replay ends at the end marker, or
+    when a round brings nothing new (what arrived is returned; the caller decides whether the
+    engine still had the range).
+    """
+    out: list[tuple[int, bytes]] = []
+    rounds = 0
+    while True:
+        nxt = out[-1][0] + 1 if out else start
+        got, ended = await _replay_round(ctx, endpoint, nxt, patience, idle, first=not out)
+        if got is None:
+            return ReplayResult(out, max(0, rounds - 1)) if out else None
+        rounds += 1
+        out.extend(got)
+        if ended or not got:
+            return ReplayResult(out, rounds - 1)
+
+
+async def _replay_round(
+    ctx: zmq.asyncio.Context,
+    endpoint: str,
+    start: int,
+    patience: float,
+    idle: float,
+    first: bool,
+) -> tuple[list[tuple[int, bytes]] | None, bool]:
+    """One request: (the contiguous run received, whether the end marker came). The run is
+    None when nothing at all came within ``patience``. Only the first round of a replay may
+    start later than asked (the engine's buffer starts there); later rounds stop at a hole."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)  # never push back on the engine: it would drop more
     try:
         sock.connect(endpoint)
         await sock.send_multipart([b"", start.to_bytes(8, "big")])
         out: list[tuple[int, bytes]] = []
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + patience
+        expect = start
+        answered = False
         while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return None
             try:
-                async with asyncio.timeout(remaining):
+                async with asyncio.timeout(idle if answered else patience):
                     frames = await sock.recv_multipart()
             except TimeoutError:
-                return None
+                return (out if answered else None), False
+            answered = True
             if len(frames) < 2:
                 continue
             seq_b, payload = frames[-2], frames[-1]
             if seq_b == END_SEQ or not payload:
-                return out
-            if len(seq_b) == 8:
-                out.append((int.from_bytes(seq_b, "big"), payload))
+                return out, True
+            if len(seq_b) != 8:
+                continue
+            seq = int.from_bytes(seq_b, "big")
+            if seq < expect:
+                continue  # already have it
+            if seq > expect and (out or not first):
+                return out, False  # a hole: the next round asks from ``expect``
+            out.append((seq, payload))
+            expect = seq + 1
     finally:
         sock.close(linger=0)
 
@@ -209,7 +266,7 @@ class RankSubscriber:
     async def _initial_sync(self) -> None:
         if self.source.replay is None:
             return
-        got = await replay(self.ctx, self.source.replay, 0, self.replay_timeout)
+        got = await self._replay(self.source.replay, 0)
         self.metrics.replays.labels("initial" if got is not None else "unavailable").inc()
         if got is not None:  # replay works: nothing before the first batch can be missed
             self.tracker.expected = got[0][0] if got else 0
@@ -221,7 +278,7 @@ class RankSubscriber:
             return
         got = None
         if self.source.replay is not None:
-            got = await replay(self.ctx, self.source.replay, 0, self.replay_timeout)
+            got = await self._replay(self.source.replay, 0)
         if got is not None and self.tracker.continues(got):
             self.metrics.replays.labels("reconnect").inc()
             await self._apply_run(got)
@@ -258,13 +315,13 @@ class RankSubscriber:
         start = tracker.expected - 1 if tracker.expected and tracker.digest is not None else 0
         got = None
         if self.source.replay is not None:
-            got = await replay(self.ctx, self.source.replay, start, self.replay_timeout)
+            got = await self._replay(self.source.replay, start)
         if got is None:
             self.metrics.replays.labels("unavailable").inc()
         elif got and got[0][0] == start and tracker.continues(got[:1]):
             self.metrics.replays.labels("ok").inc()
         elif got and got[0][0] == start:  # the batch we applied last is not theirs
-            full = await replay(self.ctx, self.source.replay or "", 0, self.replay_timeout)
+            full = await self._replay(self.source.replay or "", 0)
             self._restarted(full, "a new engine history")
             got = full
         else:
@@ -272,6 +329,21 @@ class RankSubscriber:
         batches = dict(got or [])
         batches.setdefault(seq, payload)
         await self._apply_run(sorted(batches.items()))
+
+    async def _replay(self, endpoint: str, start: int) -> list[tuple[int, bytes]] | None:
+        """Batches from ``start`` (see ``replay``), counting the rounds it had to resume."""
+        got = await replay(self.ctx, endpoint, start, self.replay_timeout)
+        if got is None:
+            return None
+        if got.resumed:
+            self.metrics.replays.labels("resumed").inc(got.resumed)
+            log.info(
+                "rank %d: replay from %d resumed %d times past dropped messages",
+                self.source.rank,
+                start,
+                got.resumed,
+            )
+        return got.batches
 
     def _restarted(self, history: list[tuple[int, bytes]] | None, why: str) -> None:
         """The engine restarted: clear the rank; ``history`` (the new engine's replay

@@ -41,9 +41,17 @@ class RouteRequest:
     prompt_tokens: int
     block_size: int
     session_key: str | None = None
+    engine_block_size: int = 1  # the engines reuse whole engine blocks only
 
     def matched_tokens(self, blocks: int) -> int:
-        return min(blocks * self.block_size, self.prompt_tokens)
+        """Prompt tokens the engine will reuse from ``blocks`` matched canonical blocks:
+        never the prompt's last token, which vLLM and SGLang always compute (it yields the
+        first output token), and only whole engine blocks (vLLM on CPU runs 32-token blocks
+        under kvroute's 16)."""
+        usable = max(self.prompt_tokens - 1, 0) // self.block_size
+        tokens = min(blocks, usable) * self.block_size
+        e = self.engine_block_size
+        return tokens if e <= 1 else tokens // e * e
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,9 @@ class Router:
         self.loads = loads if loads is not None else LoadTracker(order_key=cost.queue_key)
         self.ctx = PolicyContext(cost=cost, rng=rng or random.Random())
         self.speculate = speculate
+        #: the engines' own block size: they reuse whole engine blocks only (set from the
+        #: workers' registrations; 1 = any canonical block boundary)
+        self.engine_block_size = 1
 
     # -- membership -------------------------------------------------------------------------
 
@@ -110,7 +113,9 @@ class Router:
         if not pool.workers:
             raise NoCandidates("no healthy worker")
         self.ctx.now = now
-        request = RouteRequest(keys, prompt_tokens, self.block_size, session_key)
+        request = RouteRequest(
+            keys, prompt_tokens, self.block_size, session_key, self.engine_block_size
+        )
         decision = self.policy.choose(request, pool, self.ctx, explain)
         if not dry_run:
             if pool.levels:  # the prefix this request shares with the cluster's caches

@@ -13,12 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gateway.contract.settings import load_config
+from gateway.contract.settings import ConfigError, load_config
 
 __all__ = [
     "ENV_PREFIX",
+    "KV_GROUP_KINDS",
+    "KV_GROUP_PRESETS",
+    "SLIDING_KINDS",
     "CacheConfig",
     "EventsConfig",
+    "KvGroup",
     "SchedulerConfig",
     "SimConfig",
     "TimingConfig",
@@ -34,6 +38,58 @@ def _positive(where: str, **values: float) -> None:
             raise ValueError(f"{where}.{name} must be > 0, got {value}")
 
 
+# vLLM's ``KVCacheSpecKind`` values (vllm/v1/kv_cache_interface.py, 0.23 and 0.33).
+KV_GROUP_KINDS = (
+    "full_attention",
+    "mla_attention",
+    "sliding_window",
+    "sliding_window_mla",
+    "mamba",
+    "chunked_local_attention",
+    "sink_full_attention",
+    "encoder_only_attention",
+    "cross_attention",
+    "unknown",
+)
+# Kinds whose spec is a ``SlidingWindowSpec``: they carry ``kv_cache_spec_sliding_window``.
+SLIDING_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+
+
+@dataclass(frozen=True)
+class KvGroup:
+    """One vLLM KV-cache group: what its BlockStored events report as ``kv_cache_spec_kind``
+    (and ``kv_cache_spec_sliding_window``, for the sliding kinds, where it is required)."""
+
+    kind: str = "full_attention"
+    sliding_window: int | None = None  # tokens
+
+    def __post_init__(self) -> None:
+        if self.kind not in KV_GROUP_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KV_GROUP_KINDS)}, got {self.kind!r}")
+        if self.kind in SLIDING_KINDS:
+            if self.sliding_window is None or self.sliding_window < 1:
+                raise ValueError(f"a {self.kind} group needs sliding_window >= 1 (tokens)")
+        elif self.sliding_window is not None:
+            raise ValueError(f"sliding_window is only for sliding kinds, not {self.kind}")
+
+
+def _gemma3(window: int, sliding_groups: int) -> list[KvGroup]:
+    return [KvGroup("sliding_window", window)] * sliding_groups + [KvGroup()]
+
+
+# Group lists of known models, in vLLM's group order (layer 0's type first; research notes
+# for issue 12). ``cache.kv_groups`` takes these lists; they are here for tests and docs.
+KV_GROUP_PRESETS: dict[str, list[KvGroup]] = {
+    "dense": [KvGroup()],
+    "deepseek-v3": [KvGroup("mla_attention")],  # also R1 and V3.2 (one MLA group)
+    "gpt-oss": [KvGroup("sliding_window", 128), KvGroup()],
+    "gemma-3-1b": _gemma3(512, 6),
+    "gemma-3-4b": _gemma3(1024, 6),
+    "gemma-3-12b": _gemma3(1024, 5),
+    "gemma-3-27b": _gemma3(1024, 6),
+}
+
+
 @dataclass
 class CacheConfig:
     """The KV pool: ``kv_blocks`` blocks of ``block_size`` tokens (SGLang: the page size)."""
@@ -45,9 +101,25 @@ class CacheConfig:
     eviction: Literal["auto", "block", "node"] = "auto"
     # Cache full blocks of generated tokens when a request finishes (both engines do).
     cache_outputs: bool = True
+    # vLLM only: the model's KV-cache groups in vLLM's group order. Every BlockStored and
+    # BlockRemoved is published once per group (same hashes); sliding-window and Mamba
+    # groups also drop blocks outside their window early (see events.py). YAML:
+    # ``kv_groups: [{kind: sliding_window, sliding_window: 128}, {kind: full_attention}]``.
+    kv_groups: list[KvGroup] = field(default_factory=lambda: [KvGroup()])
+    # SGLang only: EAGLE/EAGLE3/NEXTN (DeepSeek MTP) speculative decoding, whose radix tree
+    # is keyed by token bigrams (t_i, t_i+1): at most N-2 of N prompt tokens are reused, and
+    # events publish ``token_ids`` as pairs.
+    bigram_keys: bool = False
 
     def __post_init__(self) -> None:
         _positive("cache", kv_blocks=self.kv_blocks, block_size=self.block_size)
+        if not self.kv_groups:
+            raise ConfigError("cache.kv_groups must list at least one group")
+
+    @property
+    def atom_bytes(self) -> int:
+        """Bytes per radix-tree key atom: a uint32 token, or a (t_i, t_i+1) pair of them."""
+        return 8 if self.bigram_keys else 4
 
 
 @dataclass
@@ -94,9 +166,14 @@ class EventsConfig:
     topic: str = ""
     buffer_steps: int = 10000  # replay buffer, in batches
     hwm: int = 100000
+    # Replay replies lose every message past this many (vLLM 0.23 / SGLang 0.5.23 send the
+    # whole buffer through a default ~1,000-message send queue); None: nothing is lost.
+    replay_queue_bound: int | None = None
 
     def __post_init__(self) -> None:
         _positive("events", buffer_steps=self.buffer_steps, hwm=self.hwm)
+        if self.replay_queue_bound is not None:
+            _positive("events", replay_queue_bound=self.replay_queue_bound)
 
     @property
     def replay_topic_frame(self) -> bool:
@@ -139,6 +216,16 @@ class SimConfig:
         if not 0 <= self.base_port <= 65535 - 3 * self.workers:
             raise ValueError(
                 f"base_port {self.base_port} leaves no room for {self.workers} workers"
+            )
+        if self.flavor == "sglang" and self.cache.kv_groups != [KvGroup()]:
+            raise ConfigError(
+                "cache.kv_groups is vLLM-only: SGLang has no KV-cache groups "
+                "(use flavor: vllm, or leave cache.kv_groups unset)"
+            )
+        if self.flavor == "vllm" and self.cache.bigram_keys:
+            raise ConfigError(
+                "cache.bigram_keys is SGLang-only (EAGLE/MTP bigram radix keys); "
+                "use flavor: sglang, or leave cache.bigram_keys unset"
             )
 
     @property

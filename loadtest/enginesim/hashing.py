@@ -6,7 +6,10 @@
   8 bytes as an unsigned integer (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or the raw
   32-byte digest.
 * SGLang: per page ``sha256(previous 32-byte digest || page token ids as uint32 LE)``, the
-  first page without a prefix; events carry the first 8 bytes as a signed int64.
+  first page without a prefix; events carry the first 8 bytes as a signed int64. With bigram
+  keys (EAGLE/MTP) a page is ``page_size`` pairs and each pair ``(t_j, t_j+1)`` is hashed as
+  two uint32 LE words (``cpp_utils/hash_binding.cpp``, ``fill_bigram_page``): exactly the
+  cache's 8-byte bigram atoms, so the same function hashes them with ``atom_bytes=8``.
 """
 
 from __future__ import annotations
@@ -48,10 +51,16 @@ def vllm_event_hash(digest: bytes, as_bytes: bool = False) -> int | bytes:
     return digest if as_bytes else int.from_bytes(digest, "big") & _MASK64
 
 
-def sglang_page_hashes(parent: bytes | None, tokens_le: bytes, page_size: int) -> list[bytes]:
-    """Digests of every full page of ``tokens_le`` (uint32 LE) chained from ``parent``."""
+def sglang_page_hashes(
+    parent: bytes | None, tokens_le: bytes, page_size: int, atom_bytes: int = 4
+) -> list[bytes]:
+    """Digests of every full page of ``tokens_le`` chained from ``parent``.
+
+    ``tokens_le`` holds ``atom_bytes``-wide atoms, ``page_size`` per page: uint32 LE tokens
+    (4), or bigram pairs ``t_j || t_j+1`` of them (8).
+    """
     out: list[bytes] = []
-    step = 4 * page_size
+    step = atom_bytes * page_size
     prev = parent
     for i in range(0, len(tokens_le) - step + 1, step):
         h = hashlib.sha256()

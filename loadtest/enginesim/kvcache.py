@@ -13,6 +13,12 @@ Token ids are stored as ``uint32`` little-endian ``bytes`` (4 bytes per token): 
 prompt against a node is one ``bytes.startswith`` (a memcmp), not a Python loop, and the same
 bytes are what SGLang hashes. Work is per node, never per token.
 
+The tree's key *atoms* have a configurable width (``atom_bytes``): by default one token, but
+SGLang with EAGLE/MTP speculative decoding keys its tree by bigrams ``(t_i, t_i+1)``, which
+are 8-byte atoms here (``bigram_atoms``: t_i then t_i+1, both uint32 LE). A block then holds
+``block_size`` atoms, one per KV slot, and the tree neither knows nor cares what an atom
+means; the caller converts tokens to atoms.
+
 Cache changes are recorded as neutral events (``BlocksStored`` / ``BlocksRemoved`` /
 ``AllBlocksCleared``) naming physical block ids; ``events.py`` turns them into an engine's
 wire format and hashes.
@@ -26,7 +32,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
+import numpy as np
+
 __all__ = [
+    "BIGRAM_BYTES",
     "TOKEN_BYTES",
     "AllBlocksCleared",
     "BlockAllocator",
@@ -36,11 +45,13 @@ __all__ = [
     "KVEvent",
     "PoolExhausted",
     "RadixCache",
+    "bigram_atoms",
     "pack_tokens",
     "unpack_tokens",
 ]
 
 TOKEN_BYTES = 4
+BIGRAM_BYTES = 2 * TOKEN_BYTES
 
 
 def pack_tokens(tokens: Sequence[int] | bytes) -> bytes:
@@ -56,6 +67,20 @@ def unpack_tokens(data: bytes) -> list[int]:
     return out.tolist()
 
 
+def bigram_atoms(tokens_le: bytes) -> bytes:
+    """Packed tokens ``t_0..t_n-1`` -> the n-1 bigram atoms ``t_i || t_i+1`` (8 bytes each).
+
+    Vectorised (numpy), no loop per token.
+    """
+    t = np.frombuffer(tokens_le, dtype="<u4")
+    if len(t) < 2:
+        return b""
+    out = np.empty((len(t) - 1, 2), dtype="<u4")
+    out[:, 0] = t[:-1]
+    out[:, 1] = t[1:]
+    return out.tobytes()
+
+
 # -- neutral events --------------------------------------------------------------------------
 
 
@@ -65,7 +90,7 @@ class BlocksStored:
 
     block_ids: list[int]
     parent_block_id: int | None
-    tokens: bytes  # uint32 LE, block_size tokens per block
+    tokens: bytes  # the blocks' key atoms: uint32 LE tokens (or bigrams), block_size per block
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +179,9 @@ class RadixCache:
 
     ``evict_whole_nodes`` selects SGLang's behaviour (evict a leaf node at a time); by
     default only as many blocks as needed are trimmed from the LRU leaf's tail, as vLLM
-    frees blocks one by one.
+    frees blocks one by one. ``atom_bytes`` is the width of one key atom (a block holds
+    ``block_size`` of them): ``TOKEN_BYTES``, or ``BIGRAM_BYTES`` for bigram keys; every
+    ``tokens`` argument is then a sequence of such atoms.
     """
 
     def __init__(
@@ -164,14 +191,18 @@ class RadixCache:
         *,
         evict_whole_nodes: bool = False,
         record_events: bool = True,
+        atom_bytes: int = TOKEN_BYTES,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if atom_bytes < 1:
+            raise ValueError(f"atom_bytes must be >= 1, got {atom_bytes}")
         self.allocator = allocator
         self.block_size = block_size
+        self.atom_bytes = atom_bytes
         self.evict_whole_nodes = evict_whole_nodes
         self.record_events = record_events
-        self._bb = block_size * TOKEN_BYTES  # bytes per block
+        self._bb = block_size * atom_bytes  # bytes per block
         self._root = _Node(None, b"", [], b"")
         self._heap: list[tuple[float, int, _Node]] = []
         self._stamp = 0
@@ -218,7 +249,7 @@ class RadixCache:
         return CacheMatch(pos // bb, unpinned, node)
 
     def nodes(self) -> Iterable[tuple[bytes, list[int], int]]:
-        """Every node as (full prefix token bytes, its blocks, ref count), for checks."""
+        """Every node as (full prefix atom bytes, its blocks, ref count), for checks."""
         stack: list[tuple[_Node, bytes]] = [(c, b"") for c in self._root.children.values()]
         while stack:
             node, prefix = stack.pop()

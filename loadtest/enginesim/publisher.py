@@ -10,6 +10,12 @@
 
 A fault hook drops the next N batches on the live path only (they stay in the replay
 buffer), which is how tests make sequence gaps that replay can fill.
+
+``replay_queue_bound`` reproduces vLLM 0.23's and SGLang 0.5.23's replay sockets, which send
+the whole buffer in one burst through a ROUTER with the default send queue: past ~1,000
+queued messages the socket drops the rest of the reply silently, end marker included. With a
+bound B, each reply sends its first B messages and drops the others (deterministically, so
+tests can count on it).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class EventPublisher:
         buffer_steps: int = 10000,
         hwm: int = 100000,
         replay_topic_frame: bool = True,
+        replay_queue_bound: int | None = None,
     ) -> None:
         self._ctx = ctx
         self.host = host
@@ -59,7 +66,9 @@ class EventPublisher:
         self._pub: zmq.asyncio.Socket | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
+        self.replay_queue_bound = replay_queue_bound
         self.replays_served = 0
+        self.replay_dropped = 0  # reply messages dropped past the queue bound
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -138,11 +147,19 @@ class EventPublisher:
 
     async def _replay(self, router: zmq.asyncio.Socket, ident: bytes, start: int) -> None:
         head = [ident, b""] + ([self.topic] if self.replay_topic_frame else [])
-        for seq, payload in list(self._buffer):
-            if seq >= start:
-                await router.send_multipart([*head, seq.to_bytes(8, "big"), payload])
         end = [ident, b""] + ([b""] if self.replay_topic_frame else [])
-        await router.send_multipart([*end, END_SEQ, b""])
+        reply = [
+            [*head, seq.to_bytes(8, "big"), payload]
+            for seq, payload in list(self._buffer)
+            if seq >= start
+        ]
+        reply.append([*end, END_SEQ, b""])
+        bound = self.replay_queue_bound
+        if bound is not None and len(reply) > bound:
+            self.replay_dropped += len(reply) - bound
+            reply = reply[:bound]
+        for frames in reply:
+            await router.send_multipart(frames)
         self.replays_served += 1
 
 

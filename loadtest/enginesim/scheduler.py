@@ -20,6 +20,13 @@ Policy (vLLM V1's unified scheduler, simplified):
   blocks of generated tokens when it finishes (``cache_outputs``).
 * Output length is exactly ``max_tokens`` (as with ``ignore_eos``): load tests are
   deterministic. Generated token ids cycle through ``output_tokens``.
+* Bigram keys (``CacheConfig.bigram_keys``, SGLang with EAGLE/MTP): the radix tree's atoms
+  are token pairs ``(t_i, t_i+1)``, one per KV slot, so a sequence of T tokens with KV is
+  T-1 atoms and a block holds ``block_size`` atoms. As in SGLang (``RadixKey`` with
+  ``limit = N - 1`` raw tokens, then the bigram view), a prompt of N tokens is matched on
+  the bigrams of its first N-1 tokens: at most N-2 positions, and position i is reused only
+  if tokens i and i+1 both match. ``cached_tokens`` counts matched positions (atoms), which
+  is what SGLang reports. Conversions are numpy slices, and the default path has none.
 
 Fast-forward: ``step(now, until=...)`` runs k identical decode iterations in one call when
 the batch is decode-only and nothing can be admitted (k stops at the next finish and at
@@ -41,6 +48,7 @@ from loadtest.enginesim.kvcache import (
     BlockAllocator,
     KVEvent,
     RadixCache,
+    bigram_atoms,
     pack_tokens,
 )
 from loadtest.enginesim.timing import TimingModel
@@ -78,7 +86,7 @@ class SimRequest:
     arrival: float
     tag: Any = None  # free for the caller (the live server keeps its stream here)
     state: RequestState = RequestState.WAITING
-    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    cached_tokens: int = 0  # prompt tokens (bigram keys: positions) cached at admission
     computed_tokens: int = 0  # prompt tokens with KV so far (cached + prefilled)
     scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -87,6 +95,7 @@ class SimRequest:
     _node: Any = field(default=None, repr=False)  # pinned cache node
     _blocks: list[int] = field(default_factory=list, repr=False)  # reserved, not yet cached
     _clock0: int = 0  # decode clock at the first token
+    _key: bytes | None = field(default=None, repr=False)  # bigram keys: the prompt's atoms
 
 
 @dataclass(slots=True)
@@ -144,6 +153,8 @@ class EngineCore:
     ) -> None:
         self.block_size = cache.block_size
         self.cache_outputs = cache.cache_outputs
+        self.bigram = cache.bigram_keys
+        self._unkeyed = 1 if cache.bigram_keys else 0  # tokens with KV but no key atom
         self.sched = scheduler
         self.timing = timing
         self.allocator = BlockAllocator(cache.kv_blocks)
@@ -152,6 +163,7 @@ class EngineCore:
             cache.block_size,
             evict_whole_nodes=evict_whole_nodes,
             record_events=record_events,
+            atom_bytes=cache.atom_bytes,
         )
         if not output_tokens:
             raise ValueError("output_tokens must not be empty")
@@ -337,12 +349,31 @@ class EngineCore:
         """Prompt tokens a request with ``tokens`` would find cached now (no side effect)."""
         data = pack_tokens(tokens)
         n = len(data) // TOKEN_BYTES
-        return self.cache.match(data, max(0, n - 1) // self.block_size).blocks * self.block_size
+        if self.bigram:
+            data = bigram_atoms(data)
+        return self.cache.match(data, self._max_match(n)).blocks * self.block_size
 
     # -- internals -------------------------------------------------------------------------
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def _max_match(self, prompt_len: int) -> int:
+        """Blocks a prompt may reuse: at least its last token is computed (bigram keys: its
+        first ``prompt_len - 1`` tokens are matched as ``prompt_len - 2`` bigrams)."""
+        return max(0, prompt_len - 1 - self._unkeyed) // self.block_size
+
+    def _full_blocks(self, kv_tokens: int) -> int:
+        """Full blocks of cache keys over ``kv_tokens`` tokens with KV (bigrams: one fewer)."""
+        return max(0, kv_tokens - self._unkeyed) // self.block_size
+
+    def _key(self, req: SimRequest) -> bytes:
+        """What the cache is keyed by for ``req``'s prompt: its tokens, or their bigrams."""
+        if not self.bigram:
+            return req.tokens
+        if req._key is None:
+            req._key = bigram_atoms(req.tokens)
+        return req._key
 
     def _continue_prefills(self, budget: int) -> list[tuple[SimRequest, int]]:
         chunks: list[tuple[SimRequest, int]] = []
@@ -388,14 +419,13 @@ class EngineCore:
         """Cached prompt tokens of a waiting request (only needed without chunking)."""
         if self.sched.chunked_prefill:
             return 0
-        return self.cache.match(req.tokens, (req.prompt_len - 1) // self.block_size).blocks * (
-            self.block_size
-        )
+        m = self.cache.match(self._key(req), self._max_match(req.prompt_len))
+        return m.blocks * self.block_size
 
     def _admit(self, req: SimRequest, now: float) -> bool:
         """Match, pin and reserve blocks for ``req``; False if the pool cannot hold it yet."""
         bs = self.block_size
-        m = self.cache.match(req.tokens, (req.prompt_len - 1) // bs)
+        m = self.cache.match(self._key(req), self._max_match(req.prompt_len))
         need = self._blocks_for(req.prompt_len + req.max_tokens - 1) - m.blocks
         free = self.allocator.num_free
         if need > free and need > free + self.cache.evictable_blocks - m.unpinned:
@@ -417,8 +447,8 @@ class EngineCore:
 
     def _prefill_done(self, req: SimRequest, end: float, res: StepResult) -> None:
         self._prefilling.remove(req)
-        n_full = req.prompt_len // self.block_size
-        self._cache_blocks(req, req.tokens, req.cached_tokens // self.block_size, n_full, end)
+        n_full = self._full_blocks(req.prompt_len)
+        self._cache_blocks(req, self._key(req), req.cached_tokens // self.block_size, n_full, end)
         req.first_token_time = end
         req.num_output = 1
         res.first_token.append(req)
@@ -452,9 +482,13 @@ class EngineCore:
         if self.cache_outputs and req.max_tokens > 1:
             bs = self.block_size
             kv_tokens = req.prompt_len + req.max_tokens - 1  # the last token has no KV yet
-            first, last = req.prompt_len // bs, kv_tokens // bs
+            first, last = self._full_blocks(req.prompt_len), self._full_blocks(kv_tokens)
             if last > first:
-                full = req.tokens + self._output_bytes(last * bs - req.prompt_len)
+                if self.bigram:  # bigrams over the tokens up to one past the last block
+                    n_out = last * bs + 1 - req.prompt_len
+                    full = bigram_atoms(req.tokens + self._output_bytes(n_out))
+                else:
+                    full = req.tokens + self._output_bytes(last * bs - req.prompt_len)
                 self._cache_blocks(req, full, first, last, end)
         self._release(req, end)
         req.state = RequestState.FINISHED
@@ -482,6 +516,7 @@ class EngineCore:
         self._private_blocks -= len(req._blocks)
         req._blocks = []
         req._node = None
+        req._key = None
 
     def _output_bytes(self, n: int) -> bytes:
         pat = self._pattern

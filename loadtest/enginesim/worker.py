@@ -402,9 +402,7 @@ class SimWorker:
         cfg = self.config
         if cfg.events.enabled:
             ev = cfg.events
-            fmt = WireFormat(
-                cfg.flavor, ev.encoding, cfg.cache.block_size, ev.hash_format == "bytes"
-            )
+            fmt = WireFormat.for_sim(cfg)
             self._encoder = EventEncoder(fmt)
             self.publisher = EventPublisher(
                 self._zmq,
@@ -415,6 +413,7 @@ class SimWorker:
                 buffer_steps=ev.buffer_steps,
                 hwm=ev.hwm,
                 replay_topic_frame=ev.replay_topic_frame,
+                replay_queue_bound=ev.replay_queue_bound,
             )
             await self.publisher.start()
             self._events_port = self.publisher.port

@@ -76,6 +76,11 @@ class EngineAdapter(ABC):
     def capacity_tokens(self, samples: Samples) -> int | None:
         """KV cache capacity in tokens if the metrics say (for the registration)."""
 
+    def block_size(self, samples: Samples) -> int | None:
+        """The engine's KV block size if the metrics say (engines whose discovery document
+        does not carry it: vLLM 0.32's ``/kv_event_sources``)."""
+        return None
+
 
 def resolve_host(endpoint: str, engine_url: str) -> str:
     """``tcp://*:5557`` → ``tcp://<engine host>:5557`` (also ``0.0.0.0`` and ``::``)."""

@@ -8,6 +8,15 @@ below, which are prefixes of one another across versions (vLLM ≤0.9, 0.23; SGL
 0.5.15), so one layout serves all. Unknown fields and unknown trailing items are ignored.
 Hashes may be uint64, int64 or bytes and are kept as they come (dict keys), never sent on.
 
+Two shapes of ``BlockStored`` need more than field selection:
+
+* SGLang with EAGLE/EAGLE3/NEXTN (DeepSeek MTP) speculative decoding keys its radix tree by
+  bigrams and publishes ``token_ids`` as pairs ``[t_j, t_j+1]``: KV slot j holds token
+  ``t_j``, so the canonical tokens are the first of each pair (``block_size`` counts pairs);
+* vLLM's sliding-window and Mamba groups (hybrid models) may publish stores whose hashes are
+  sparse or empty and whose tokens do not line up with them (0.33 keeps only the tail those
+  groups need). They are decoded without the alignment check; the canonicaliser drops them.
+
 A bad event is skipped and reported by reason; a batch that cannot be decoded at all
 raises ``BadBatch``.
 """
@@ -20,6 +29,7 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "PREFIX_KINDS",
     "AllCleared",
     "BadBatch",
     "BadEvent",
@@ -33,6 +43,9 @@ __all__ = [
 ]
 
 EngineHash = int | bytes
+
+#: KV-cache group kinds (vLLM's ``kv_cache_spec_kind``) whose blocks serve a whole prefix.
+PREFIX_KINDS = frozenset({"full_attention", "mla_attention"})
 
 STORED_LAYOUT = (
     "block_hashes",
@@ -164,7 +177,9 @@ def _event(raw: Any, limits: DecodeLimits) -> EngineEvent:
 
 
 def _stored(f: dict[Any, Any], limits: DecodeLimits) -> BlockStored:
-    hashes = _hashes(f)
+    kind = _opt_str(f, "kv_cache_spec_kind")
+    aligned = kind is None or kind in PREFIX_KINDS
+    hashes = _hashes(f, allow_empty=not aligned)
     parent = f.get("parent_block_hash")
     if parent is not None and not _is_hash(parent):
         raise BadEvent("wrong_type")
@@ -173,10 +188,12 @@ def _stored(f: dict[Any, Any], limits: DecodeLimits) -> BlockStored:
         raise BadEvent("wrong_type")
     if len(tokens) > limits.max_event_tokens:
         raise BadEvent("too_large")
+    if tokens and type(tokens[0]) is not int:
+        tokens = _bigram_firsts(tokens)
     bs = f.get("block_size")
     if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
         raise BadEvent("wrong_type")
-    if len(tokens) != len(hashes) * bs:
+    if aligned and len(tokens) != len(hashes) * bs:
         raise BadEvent("token_count")
     extra = f.get("extra_keys")
     keyed = (
@@ -192,14 +209,24 @@ def _stored(f: dict[Any, Any], limits: DecodeLimits) -> BlockStored:
         bs,
         _opt_str(f, "medium"),
         _opt_int(f, "group_idx"),
-        _opt_str(f, "kv_cache_spec_kind"),
+        kind,
         keyed,
     )
 
 
-def _hashes(f: dict[Any, Any]) -> list[EngineHash]:
+def _bigram_firsts(pairs: list[Any]) -> list[int]:
+    """SGLang's bigram ``token_ids`` (``[t_j, t_j+1]`` pairs) → the tokens ``t_j``."""
+    out = []
+    for p in pairs:
+        if type(p) is not list or len(p) != 2 or type(p[0]) is not int or type(p[1]) is not int:
+            raise BadEvent("wrong_type")
+        out.append(p[0])
+    return out
+
+
+def _hashes(f: dict[Any, Any], allow_empty: bool = False) -> list[EngineHash]:
     hashes = f.get("block_hashes")
-    if not isinstance(hashes, list) or not hashes:
+    if not isinstance(hashes, list) or not (hashes or allow_empty):
         raise BadEvent("wrong_type")
     for h in hashes:
         if not _is_hash(h):

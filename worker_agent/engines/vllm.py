@@ -88,6 +88,13 @@ class VllmAdapter(EngineAdapter):
             ts=ts,
         )
 
+    def block_size(self, samples: Samples) -> int | None:
+        for labels, _ in samples.get(CACHE_INFO, []):
+            bs = label(labels, "block_size")
+            if bs and bs.isdigit() and int(bs) > 0:
+                return int(bs)
+        return None
+
     def capacity_tokens(self, samples: Samples) -> int | None:
         tokens = 0
         for labels, _ in samples.get(CACHE_INFO, []):
