@@ -45,6 +45,10 @@ from gateway.tokenization import Tokenizer
 
 __all__ = ["Gateway", "build_app"]
 
+
+#: How often each worker's /health is probed (each on its own, never waiting for others).
+PROBE_INTERVAL_S = 0.5
+
 log = logging.getLogger("kvroute.gateway")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -166,12 +170,31 @@ class Gateway:
             await asyncio.sleep(0.1)
 
     async def _probe_loop(self) -> None:
-        while True:
-            entries = list(self.registry.workers.values())
-            results = await asyncio.gather(*(self._probe(e.url) for e in entries))
-            for e, ok in zip(entries, results, strict=True):
-                self.registry.set_probe(e.worker_id, ok)
-            await asyncio.sleep(1.0)
+        """Each worker's ``/health`` on a schedule of its own, every ``PROBE_INTERVAL_S``.
+
+        A result is recorded as soon as it arrives, so a worker whose ``/health`` hangs (its
+        probe times out after 1 s) never delays noticing another worker's death: an idle
+        worker that dies refuses the next probe and is out of routing within the interval
+        (R3: no new request reaches it 1 s after its death is observable)."""
+        running: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                for wid, e in list(self.registry.workers.items()):
+                    task = running.get(wid)
+                    if task is None or task.done():
+                        running[wid] = asyncio.create_task(self._probe_worker(wid, e.url))
+                for wid in [w for w in running if w not in self.registry.workers]:
+                    running.pop(wid).cancel()
+                await asyncio.sleep(PROBE_INTERVAL_S)
+        finally:
+            for task in running.values():
+                task.cancel()
+
+    async def _probe_worker(self, wid: str, url: str) -> None:
+        ok = await self._probe(url)
+        entry = self.registry.workers.get(wid)
+        if entry is not None and entry.url == url:  # it may have left or moved meanwhile
+            self.registry.set_probe(wid, ok)
 
     async def _probe(self, url: str) -> bool:
         assert self._probe_session is not None
@@ -453,6 +476,8 @@ class Gateway:
                     },
                     "index_blocks": counts.get(wid, 0),
                     "engine": e.info.engine if e.info else None,
+                    "engine_block_size": e.info.engine_block_size if e.info else None,
+                    "kv_capacity_blocks": e.info.kv_capacity_blocks if e.info else None,
                     "epoch": e.info.epoch if e.info else None,
                     "labels": e.labels,
                 }

@@ -17,18 +17,20 @@ Used by ``kvroute bench faults`` (docs/reliability.md) and by the tests.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 from loadtest.driver import DriverConfig, RequestRecord, run_load
 from loadtest.stack import Stack, wait_for
 from loadtest.workloads import ChatWorkload, WorkItem
 
-__all__ = ["FAULTS", "FaultResult", "run_fault"]
+__all__ = ["FAULTS", "FaultResult", "failed_attempts", "run_fault"]
 
 
 @dataclass
@@ -149,6 +151,25 @@ def _gateway_counter(stack: Stack, name: str, worker: str, **labels: str) -> flo
     return total
 
 
+#: the gateway's log line for an attempt on a worker that failed before the client saw a byte
+#: (the logging format of ``kvroute gateway``: "%(asctime)s %(levelname)s %(name)s: ...")
+_RETRY_LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+: retrying request away from (\S+?): "
+)
+
+
+def failed_attempts(stack: Stack, worker: str, gateway: int = 0) -> list[float]:
+    """Wall-clock times (``time.time()``, to the millisecond) at which gateway ``gateway``
+    gave up an attempt on ``worker`` and retried elsewhere: one per attempt, from its log.
+    The same attempts as ``kvroute_retries_total{worker=...}``, but each with its time."""
+    out = []
+    for line in stack.gateways[gateway].log_lines():
+        m = _RETRY_LINE.match(line)
+        if m is not None and m.group(2) == worker:
+            out.append(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    return out
+
+
 def _agent_counter(stack: Stack, i: int, prefix: str) -> float:
     with urllib.request.urlopen(
         f"http://127.0.0.1:{stack.agent_ports[i]}/metrics", timeout=10
@@ -239,30 +260,77 @@ def dropped_batches(stack: Stack, count: int = 5, rate: float = 4.0) -> FaultRes
     return res
 
 
-def worker_killed(stack: Stack, rate: float = 6.0) -> FaultResult:
-    """R3: a worker dies mid-load: un-started requests retried, streams end with an error
-    event, and no new request is sent to it a second after its death is observable."""
+def worker_killed(stack: Stack, rate: float = 6.0, observe_s: float = 10.0) -> FaultResult:
+    """R3: a worker's engine process is SIGKILLed mid-load. Requests without a first byte are
+    retried elsewhere, streams under way end with an error event, and from 1 s after the
+    death is observable (process reaped, its port refusing connections) until the worker is
+    restarted, the gateway sends it nothing.
+
+    The worker runs in a simulator process of its own (one is added to the stack if it has
+    none), so the fault is a real process dying, not a simulated one. Sends to it are counted
+    two ways: ``kvroute_retries_total`` for the worker (every attempt on a dead worker fails
+    and is retried), sampled at death + 1 s and at the restart; and the gateway's log line
+    for each such attempt, with its time, which must agree with the counter."""
     res = FaultResult(
-        "worker_killed", "the busiest worker killed (connections refused and reset) under load"
+        "worker_killed",
+        f"a worker's own simulator process SIGKILLed under load, restarted after {observe_s:g}s",
     )
-    with BackgroundLoad(stack, rate, 20.0, max_tokens=600) as load:  # long streams: some under way
-        load.at(6.0)
-        worker = _busiest(stack)
-        wid = stack.worker_id(worker)
-        inflight = next(w["inflight"] for w in stack.workers() if w["worker_id"] == wid)
-        stack.fault(worker, "kill")
-        load.at(8.0)  # death observable within the first refused attempt or the 1s probe
-        attempts = _gateway_counter(stack, "kvroute_retries_total", wid)
-        load.at(20.0)
-        res.detail.update(
-            worker=wid,
-            inflight_at_kill=inflight,
-            attempts_after_2s=_gateway_counter(stack, "kvroute_retries_total", wid) - attempts,
-        )
-        stack.fault(worker, "restart")
+    worker = min(stack.solo) if stack.solo else stack.add_worker()
+    wid = stack.worker_id(worker)
+    with BackgroundLoad(stack, rate, observe_s + 14.0, max_tokens=600) as load:  # long streams
+        load.at(5.0)
+        inflight = 0
+
+        def busy() -> bool:  # a kill on an idle worker would prove little: wait for traffic
+            nonlocal inflight
+            inflight = next(w["inflight"] for w in stack.workers() if w["worker_id"] == wid)
+            return inflight > 0
+
+        wait_for(busy, 5.0)
+        dead, dead_wall = stack.kill_worker(worker)
+        # the 1 s is the thing under test: sample the gateway's count at exactly that time
+        time.sleep(max(0.0, dead + 1.0 - time.monotonic()))
+        at_1s = _gateway_counter(stack, "kvroute_retries_total", wid)
+        time.sleep(max(0.0, dead + observe_s - time.monotonic()))
+        before_restart = _gateway_counter(stack, "kvroute_retries_total", wid)
+        times = [round(t - dead_wall, 3) for t in failed_attempts(stack, wid)]
+        restart_at = time.monotonic()
+        stack.restart_worker(worker)
         _settle(stack, res, time.monotonic())
     load.tally(res)
-    res.ok = res.clean and res.detail["attempts_after_2s"] == 0 and inflight > 0
+    # client side: requests sent from death + 1 s until the restart (send times are known
+    # relative to the driver's start, which is at most a little after ``load.t0``: the
+    # window is taken slightly inside)
+    window = [
+        r
+        for r in load.records
+        if r.error != "not sent: beyond max_duration"
+        and dead + 1.0 <= load.t0 + r.sent < restart_at - 0.5
+    ]
+    res.detail.update(
+        worker=wid,
+        inflight_at_kill=inflight,
+        # every failed attempt on the worker, in seconds from its death (in-flight requests
+        # reset by the kill show up a few ms before the death was confirmed)
+        attempt_times_s=times[:20],
+        attempts_after_1s=before_restart - at_1s,
+        logged_after_1s=len([t for t in times if t >= 1.0 - 0.001]),  # (the log has ms)
+        log_matches_counter=len(times) == before_restart,
+        requests_after_1s=len(window),
+        served_by_dead_after_1s=sum(1 for r in window if r.worker == wid),
+        failed_after_1s=sum(1 for r in window if not r.ok),
+    )
+    d = res.detail
+    res.ok = (
+        res.clean
+        and inflight > 0
+        and d["attempts_after_1s"] == 0
+        and d["logged_after_1s"] == 0
+        and d["log_matches_counter"]
+        and d["requests_after_1s"] > 0
+        and d["served_by_dead_after_1s"] == 0
+        and d["failed_after_1s"] == 0
+    )
     return res
 
 

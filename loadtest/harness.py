@@ -256,6 +256,9 @@ class ChildProcess:
         self.log_path = log_dir / f"{name}.log"
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
+        #: size of the log when this run started: a restarted process appends to the same
+        #: file, and only its own lines count (a ``ready`` of the previous run is stale)
+        self.log_offset = 0
 
     @classmethod
     def kvroute(
@@ -267,6 +270,7 @@ class ChildProcess:
     def start(self) -> ChildProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+        self.log_offset = log.seek(0, os.SEEK_END)
         self.proc = subprocess.Popen(
             self.args,
             stdout=log,
@@ -280,19 +284,33 @@ class ChildProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait_for_log(self, needle: str, timeout: float = 20.0) -> str:
-        """Block until ``needle`` appears in the log; return the matching line."""
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def log_lines(self) -> list[str]:
+        """This run's log lines (not those of an earlier run of the same name)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            return []
+
+    def wait_for_log(self, needle: str, timeout: float = 20.0, count: int = 1) -> str:
+        """Block until ``needle`` appears in ``count`` lines of this run's log; return the
+        last of them."""
         deadline = time.monotonic() + timeout
         while True:
-            with contextlib.suppress(FileNotFoundError):
-                for line in self.log_path.read_text(errors="replace").splitlines():
-                    if needle in line:
-                        return line
+            found = [line for line in self.log_lines() if needle in line]
+            if len(found) >= count:
+                return found[count - 1]
             if not self.alive():
                 raise HarnessError(f"{self.name} exited before logging {needle!r}:\n{self.tail()}")
             if time.monotonic() > deadline:
                 raise HarnessError(
-                    f"{self.name} did not log {needle!r} in {timeout}s:\n{self.tail()}"
+                    f"{self.name} logged {needle!r} {len(found)} of {count} times"
+                    f" in {timeout}s:\n{self.tail()}"
                 )
             time.sleep(0.02)
 

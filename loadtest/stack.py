@@ -4,7 +4,11 @@ Used by the end-to-end tests, the load tests, the fault suite and the demo::
 
     with Stack(StackConfig(workers=4)) as stack:
         url = stack.gateway_urls[0]          # OpenAI-compatible endpoint
-        stack.fault(2, "kill")               # sim admin API
+        stack.fault(2, "kill")               # sim admin API (an in-process fault)
+
+Workers share one simulator process, except the last ``solo_workers`` (and any added with
+``add_worker``): each of those runs in a simulator process of its own, so ``kill_worker``
+can SIGKILL exactly that worker, as a crashed engine dies.
 
 Every process writes a log under ``log_dir``; all of them are stopped on exit, also when
 start-up fails half-way. Nothing listens beyond 127.0.0.1.
@@ -14,6 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import shutil
+import socket
 import tempfile
 import time
 import urllib.error
@@ -22,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -50,6 +58,9 @@ class StackConfig:
     gateways: int = 1
     #: processes per gateway port (SO_REUSEPORT)
     gateway_processes: int = 1
+    #: how many workers (the last ones) run each in a simulator process of its own, so that
+    #: ``kill_worker`` can kill exactly one with a signal; the others share one process
+    solo_workers: int = 0
     policy: str = "ttft"
     policy_params: dict[str, Any] = field(default_factory=dict)
     hash_seed: str = "kvroute-stack"
@@ -70,7 +81,13 @@ class Stack:
         self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="kvroute-stack-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis: RedisServer | None = None
+        #: the simulator process the non-solo workers share (None if every worker is solo)
         self.sim: ChildProcess | None = None
+        #: worker index -> the simulator process that worker alone runs in
+        self.solo: dict[int, ChildProcess] = {}
+        self._solo_ports: dict[int, tuple[int, int]] = {}  # worker -> (base port, admin port)
+        self._sim_admin: list[tuple[str, int]] = []  # worker -> (its sim's admin URL, index there)
+        self._sim_ports: set[int] = set()  # taken by simulators (started ones may not bind yet)
         self.agents: list[ChildProcess] = []
         self.gateways: list[ChildProcess] = []
         self.gateway_urls: list[str] = []
@@ -100,9 +117,9 @@ class Stack:
         for p in [*self.extra, *self.gateways, *self.agents]:
             with contextlib.suppress(Exception):
                 p.stop()
-        if self.sim is not None:
+        for p in [*([self.sim] if self.sim is not None else []), *self.solo.values()]:
             with contextlib.suppress(Exception):
-                self.sim.stop()
+                p.stop()
         if self.redis is not None:
             self.redis.close()
 
@@ -141,29 +158,97 @@ class Stack:
         self.redis.workdir.mkdir(exist_ok=True)  # type: ignore[union-attr]
         self.redis.start()
 
-    def _start_sim(self) -> None:
+    def _sim_args(self, n: int, base: int, admin: int) -> list[str]:
         c = self.config
-        n = c.workers
-        # 3n consecutive free ports: HTTP, events, replay (the sim's layout)
-        for _ in range(50):
-            base = free_port()
-            if base + 3 * n < 65000 and _ports_free(base, 3 * n):
-                break
-        else:
-            raise HarnessError("no block of free ports for the simulator")
-        self.sim_base_port = base
-        admin = free_port()
-        args = [
+        return [
             "sim", "--workers", str(n), "--base-port", str(base), "--admin-port", str(admin),
             "--flavor", c.flavor, "--model", c.model, "--tokenizer", self.tokenizer_path(),
             "--chat-template", c.chat_template, "--kv-blocks", str(c.kv_blocks),
             "--block-size", str(c.block_size), "--speedup", str(c.speedup),
             "--timing", c.timing, "--max-model-len", str(c.max_model_len), *c.sim_args,
         ]  # fmt: skip
-        self.sim = ChildProcess.kvroute(args, "sim", self.log_dir).start()
-        self.sim.wait_for_log("sim ready", timeout=c.start_timeout)
-        self.worker_urls = [f"http://127.0.0.1:{base + i}" for i in range(n)]
-        self.sim_admin_url = f"http://127.0.0.1:{admin}"
+
+    def _start_sim(self) -> None:
+        c = self.config
+        if not 0 <= c.solo_workers <= c.workers:
+            raise HarnessError(f"solo_workers {c.solo_workers} not within 0..{c.workers}")
+        shared = c.workers - c.solo_workers
+        # every simulator process needs 3 consecutive ports per worker: HTTP, events, replay
+        if shared:
+            base, admin = self._sim_port_block(3 * shared), self._sim_port_block(1)
+            self.sim_base_port = base
+            self.sim = ChildProcess.kvroute(
+                self._sim_args(shared, base, admin), "sim", self.log_dir
+            ).start()
+            self.worker_urls = [f"http://127.0.0.1:{base + i}" for i in range(shared)]
+            self.sim_admin_url = f"http://127.0.0.1:{admin}"
+            self._sim_admin = [(self.sim_admin_url, i) for i in range(shared)]
+        for i in range(shared, c.workers):  # started together, waited for below
+            self._launch_solo(i)
+        for proc in [*([self.sim] if self.sim is not None else []), *self.solo.values()]:
+            proc.wait_for_log("sim ready", timeout=c.start_timeout)
+
+    def _launch_solo(self, i: int) -> ChildProcess:
+        """Start worker ``i`` in a simulator process of its own (same ports on a restart)."""
+        if i not in self._solo_ports:
+            self._solo_ports[i] = (self._sim_port_block(3), self._sim_port_block(1))
+        base, admin = self._solo_ports[i]
+        proc = ChildProcess.kvroute(self._sim_args(1, base, admin), f"sim-{i}", self.log_dir)
+        self.solo[i] = proc.start()
+        url, admin_url = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{admin}"
+        if i == len(self.worker_urls):
+            self.worker_urls.append(url)
+            self._sim_admin.append((admin_url, 0))
+        return proc
+
+    def _sim_port_block(self, n: int) -> int:
+        """``n`` consecutive free ports no other simulator of this stack was given."""
+        base = _port_block(n, avoid=self._sim_ports)
+        self._sim_ports.update(range(base, base + n))
+        return base
+
+    def add_worker(self) -> int:
+        """One more worker, in a simulator process of its own, with its agent; returns its
+        index once every gateway sees all workers healthy."""
+        i = len(self.worker_urls)
+        self._launch_solo(i).wait_for_log("sim ready", timeout=self.config.start_timeout)
+        self.start_agent(i)
+        self.wait_ready()
+        return i
+
+    def kill_worker(self, i: int, timeout: float = 10.0) -> tuple[float, float]:
+        """SIGKILL worker ``i``'s own simulator process, as a crashed engine dies.
+
+        Returns once the death is observable: the process reaped and its HTTP port refusing
+        connections; the result is that moment as ``(time.monotonic(), time.time())``.
+        """
+        proc = self.solo.get(i)
+        if proc is None:
+            raise HarnessError(
+                f"worker {i} shares a simulator process: use solo_workers or add_worker()"
+            )
+        proc.kill()  # SIGKILL to its process group, then waitpid
+        port = urlsplit(self.worker_urls[i]).port
+        assert port is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            except ConnectionRefusedError:
+                return time.monotonic(), time.time()
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise HarnessError(f"worker {i}'s port {port} still accepts after SIGKILL")
+            time.sleep(0.01)
+
+    def restart_worker(self, i: int) -> None:
+        """Start worker ``i``'s own simulator process again, on the same ports (empty cache,
+        event sequence from 0, as a restarted engine)."""
+        if i not in self.solo:
+            raise HarnessError(f"worker {i} has no simulator process of its own")
+        self.solo[i].stop()
+        self._launch_solo(i).wait_for_log("sim ready", timeout=self.config.start_timeout)
 
     def worker_id(self, i: int) -> str:
         return f"worker-{i}"
@@ -217,10 +302,24 @@ class Stack:
         cfg = self.gateway_config(port, **overrides)
         path = self.log_dir / f"gateway-{g}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        # its own TMPDIR: with server.workers > 1 the supervisor's per-process metrics files
+        # land there, where process_counter() reads them
+        tmp = self._gateway_tmp(g)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         proc = ChildProcess.kvroute(
-            ["gateway", "--config", str(path)], f"gateway-{g}", self.log_dir
+            ["gateway", "--config", str(path)],
+            f"gateway-{g}",
+            self.log_dir,
+            env={"TMPDIR": str(tmp)},
         ).start()
-        proc.wait_for_log("kvroute gateway ready", timeout=self.config.start_timeout)
+        # every process on the port logs its own ready line: wait for all of them, or the
+        # first requests would all go to the processes that happened to start first
+        proc.wait_for_log(
+            "kvroute gateway ready",
+            timeout=self.config.start_timeout,
+            count=cfg["server"]["workers"],
+        )
         url = f"http://127.0.0.1:{port}"
         if g < len(self.gateways):
             self.gateways[g] = proc
@@ -235,11 +334,48 @@ class Stack:
         self.start_gateway(g, **overrides)
         self.wait_ready()
 
+    def _gateway_tmp(self, g: int) -> Path:
+        return self.log_dir / f"gateway-{g}.tmp"
+
+    def gateway_pids(self, g: int = 0) -> list[int]:
+        """The pids of the processes serving gateway ``g`` (from their ready lines)."""
+        return [
+            int(m.group(1))
+            for line in self.gateways[g].log_lines()
+            if "kvroute gateway ready" in line and (m := re.search(r"\(pid (\d+)\)", line))
+        ]
+
+    def process_counter(self, name: str, g: int = 0, **labels: str) -> dict[int, float]:
+        """A counter of gateway ``g`` per serving process: {pid: value}, summed over the
+        label sets that match ``labels``. Read from each process's own multiprocess metrics
+        file (``server.workers`` > 1), which /metrics only shows summed over processes."""
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        dirs = list(self._gateway_tmp(g).glob("kvroute-metrics-*"))
+        if len(dirs) != 1:
+            raise HarnessError(f"gateway {g}: {len(dirs)} metrics directories (one process?)")
+        out: dict[int, float] = {}
+        for pid in self.gateway_pids(g):
+            with tempfile.TemporaryDirectory() as one:
+                for f in dirs[0].glob(f"*_{pid}.db"):  # this process's files only
+                    (Path(one) / f.name).symlink_to(f)
+                reg = CollectorRegistry()
+                MultiProcessCollector(reg, path=one)
+                out[pid] = sum(
+                    sample.value
+                    for family in reg.collect()
+                    for sample in family.samples
+                    if sample.name == name
+                    and all(sample.labels.get(k) == v for k, v in labels.items())
+                )
+        return out
+
     # -- control ----------------------------------------------------------------------------
 
     def wait_ready(self, timeout: float | None = None, healthy: int | None = None) -> None:
         """Until every gateway is ready and sees ``healthy`` (default: all) workers healthy."""
-        want = self.config.workers if healthy is None else healthy
+        want = len(self.worker_urls) if healthy is None else healthy
         deadline = time.monotonic() + (timeout or self.config.start_timeout)
         for url in self.gateway_urls:
             while True:
@@ -264,10 +400,12 @@ class Stack:
         return list(json.loads(body)["workers"])
 
     def fault(self, worker: int, action: str, **params: Any) -> dict[str, Any]:
-        """Inject a fault into a sim worker through the sim's admin API."""
-        body = json.dumps({"worker": worker, "action": action, **params}).encode()
+        """Inject a fault into a sim worker through its simulator's admin API (in-process:
+        ``kill`` there closes the worker's sockets; ``kill_worker`` kills a process)."""
+        admin, local = self._sim_admin[worker]
+        body = json.dumps({"worker": local, "action": action, **params}).encode()
         req = urllib.request.Request(
-            self.sim_admin_url + "/sim/fault",
+            admin + "/sim/fault",
             data=body,
             method="POST",
             headers={"content-type": "application/json"},
@@ -303,8 +441,14 @@ class Stack:
         return out
 
     def sim_state(self) -> list[dict[str, Any]]:
-        _, body = _get(self.sim_admin_url + "/sim/workers")
-        return list(json.loads(body))
+        """Every sim worker's state (``worker``: its index in this stack)."""
+        states: dict[str, list[dict[str, Any]]] = {}
+        out = []
+        for i, (admin, local) in enumerate(self._sim_admin):
+            if admin not in states:
+                states[admin] = list(json.loads(_get(admin + "/sim/workers")[1]))
+            out.append({**states[admin][local], "worker": i})
+        return out
 
     def add_process(self, proc: ChildProcess) -> ChildProcess:
         """Run another process (a peer router, a load client) under this stack's cleanup."""
@@ -335,9 +479,16 @@ def _get(url: str, token: str | None = None) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def _ports_free(base: int, n: int) -> bool:
-    import socket
+def _port_block(n: int, avoid: set[int] | frozenset[int] = frozenset()) -> int:
+    """The first of ``n`` consecutive free ports, none of them in ``avoid``."""
+    for _ in range(50):
+        base = free_port()
+        if base + n < 65000 and avoid.isdisjoint(range(base, base + n)) and _ports_free(base, n):
+            return base
+    raise HarnessError(f"no block of {n} free ports")
 
+
+def _ports_free(base: int, n: int) -> bool:
     for p in range(base, base + n):
         with socket.socket() as s:
             try:

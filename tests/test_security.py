@@ -4,6 +4,7 @@ validated registrations, prompts kept out of logs."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 import urllib.error
@@ -31,6 +32,34 @@ def get(url: str, token: str | None = None) -> tuple[int, bytes]:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def post(
+    url: str, body: dict[str, object], key: str, timeout: float = 60.0
+) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"content-type": "application/json", "authorization": f"Bearer {key}"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def metric(stack: Stack, name: str, **labels: str) -> float:
+    """Sum of the gateway's samples of ``name`` whose labels include ``labels``."""
+    _, body = get(stack.gateway_urls[0] + "/metrics")
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in body.decode().splitlines()
+        if (line.startswith(name + " ") or line.startswith(name + "{"))
+        and all(w in line for w in want)
+    )
 
 
 def wait_for(cond, timeout: float = 15.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
@@ -110,6 +139,102 @@ def test_api_keys_rate_limits_and_admin_key(tmp_path: Path) -> None:
         assert get(stack.gateway_urls[0] + "/workers", "free-key")[0] == 401
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base, api_key=ADMIN_KEY, max_retries=0).models.list()
+
+
+def test_token_rate_limit_through_the_gateway(tmp_path: Path) -> None:
+    """A key over its token rate gets an OpenAI-shaped 429 from the gateway (the request never
+    reaches a worker) while another key is served; the limit is a rate, not a ban."""
+    keys = [
+        # 100 tokens/s, bursts of 200; a request costs prompt + max_tokens up front
+        {"key": "metered-key", "name": "metered", "tokens_per_s": 100.0},
+        {"key": "other-key", "name": "other"},
+    ]
+    settings = {"auth": {"api_keys": keys}}
+    with Stack(
+        StackConfig(workers=1, speedup=100, gateway_settings=settings, log_dir=tmp_path)
+    ) as stack:
+        url = stack.gateway_urls[0] + "/v1/completions"
+
+        def ask(key: str, prompt_tokens: int, max_tokens: int) -> tuple[int, dict[str, str], bytes]:
+            # token ids: exactly ``prompt_tokens`` prompt tokens, no tokenizer in between
+            ids = [1000 + i for i in range(prompt_tokens)]
+            return post(url, {"model": MODEL, "prompt": ids, "max_tokens": max_tokens}, key)
+
+        status, headers, _ = ask("metered-key", 140, 10)  # 150 of the 200-token burst
+        assert status == 200 and headers["x-kvroute-worker"] == "worker-0"
+        served = metric(stack, "kvroute_requests_total")
+        status, headers, data = ask("metered-key", 140, 10)  # ~50 left: over the token rate
+        assert status == 429, data[:300]
+        err = json.loads(data)["error"]
+        assert set(err) == {"message", "type", "param", "code"}, err
+        assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded", err
+        assert "tokens" in err["message"], err  # the token bucket, not the request bucket
+        assert int(headers["Retry-After"]) >= 1 and "x-kvroute-worker" not in headers
+        assert metric(stack, "kvroute_rejected_total", cause="rate_limit") == 1
+        assert metric(stack, "kvroute_requests_total") == served  # no worker saw it
+        # the same request under another key is served meanwhile
+        status, headers, _ = ask("other-key", 140, 10)
+        assert status == 200 and headers["x-kvroute-worker"] == "worker-0"
+        # the metered key still affords a small request (tokens are metered, not requests)
+        assert ask("metered-key", 20, 5)[0] == 200
+        # ... and the large one again once the bucket has refilled (100 tokens/s)
+        deadline = time.monotonic() + 10.0
+        while (status := ask("metered-key", 140, 10)[0]) == 429:
+            assert time.monotonic() < deadline, "the token bucket never refilled"
+            time.sleep(0.1)
+        assert status == 200
+
+
+def test_higher_priority_tier_is_admitted_first(tmp_path: Path) -> None:
+    """With the concurrency limit full, a high-tier request queued after a low-tier one is
+    admitted before it (first-come-first-served would admit the low one first)."""
+    keys = [
+        {"key": "blocker-key", "name": "blocker"},
+        {"key": "low-key", "name": "low", "priority": 0},
+        {"key": "high-key", "name": "high", "priority": 10},
+    ]
+    settings = {
+        "auth": {"api_keys": keys},
+        "limits": {"max_concurrency": 1, "queue_size": 8, "queue_timeout": 60.0},
+    }
+    # speed-up 1: 40 output tokens take ~0.25 s, so requests served one after the other
+    # finish well apart
+    with Stack(
+        StackConfig(workers=1, speedup=1, gateway_settings=settings, log_dir=tmp_path)
+    ) as stack:
+        url = stack.gateway_urls[0] + "/v1/completions"
+        body = {"model": MODEL, "prompt": "a story " * 20, "max_tokens": 40, "ignore_eos": True}
+
+        def ask(key: str) -> tuple[int, float]:
+            status, _, data = post(url, body, key)
+            assert status == 200, data[:300]
+            return status, time.monotonic()
+
+        ask("low-key")  # warm: everything answers
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            stack.fault(0, "pause")  # the worker takes requests and makes no progress
+            try:
+                blocker = pool.submit(ask, "blocker-key")
+                wait_for(
+                    lambda: metric(stack, "kvroute_inflight_requests") == 1,
+                    what="the blocker to hold the only slot",
+                )
+                low = pool.submit(ask, "low-key")
+                wait_for(
+                    lambda: metric(stack, "kvroute_queued_requests") == 1,
+                    what="the low-tier request to queue",
+                )
+                high = pool.submit(ask, "high-key")
+                wait_for(
+                    lambda: metric(stack, "kvroute_queued_requests") == 2,
+                    what="the high-tier request to queue",
+                )
+            finally:
+                stack.fault(0, "resume")
+            t_blocker, t_low, t_high = (f.result(timeout=60)[1] for f in (blocker, low, high))
+        # one slot: each request ran alone, in admission order
+        assert t_blocker < t_high < t_low, (t_blocker, t_high, t_low)
+        assert metric(stack, "kvroute_queued_requests") == 0
 
 
 def test_clients_cannot_choose_the_upstream(tmp_path: Path) -> None:
