@@ -46,6 +46,34 @@ def test_chain_continues_from_any_parent(toks: list[int], cut: int) -> None:
     assert k.extend(full[:b], toks) == full
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(tokens, st.one_of(st.none(), st.integers(0, 2**64 - 1))), max_size=12),
+    st.sampled_from([1, 4, 16, 100]),
+)
+def test_keys_many_equals_keys_and_reference(
+    chains: list[tuple[list[int], int | None]], bs: int
+) -> None:
+    """The agent's batched path (``keys_many``) is the single-chain path, chain by chain."""
+    k = BlockKeyer("s", bs)
+    many = k.keys_many(chains)
+    assert many == [k.keys(t, p) for t, p in chains]
+    assert many == [reference_keys(k, t, p) for t, p in chains]
+
+
+def test_input_types_and_the_unkeyed_tail() -> None:
+    """Lists, tuples and arrays key alike; tokens past the last full block are never read."""
+    k = BlockKeyer("s", 16)
+    toks = list(range(5, 5 + 16 * 40))
+    want = reference_keys(k, toks)
+    assert k.keys(toks) == k.keys(tuple(toks)) == k.keys(np.array(toks, np.uint32)) == want
+    assert k.keys([*toks, -1]) == k.keys([*toks, "x", 2**70]) == want  # type: ignore[list-item]
+    assert k.keys(toks[:-1]) == want[:-1]
+    for bad in ([*toks[:16], -1, *toks[17:]], [*toks[:31], 2**64]):
+        with pytest.raises(InvalidTokens):
+            k.keys(bad)
+
+
 def test_partial_tail_is_never_keyed_and_keys_are_64_bit() -> None:
     k = BlockKeyer("s", 16)
     assert k.keys(list(range(15))) == []

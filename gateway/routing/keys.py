@@ -20,7 +20,12 @@ a chain continues from any parent key, which is what the agent needs (engine eve
 the parent block) and what makes follow-up turns cheap (hash only the new blocks).
 
 The recurrence is evaluated in closed form with numpy (prefix sums of ``h_j * B**-j``), so
-there is no per-block Python loop.
+there is no per-block Python loop: block hashes are one integer matrix product, the chain is
+one multiply, one prefix sum and one multiply per prime, in place; a chain of a few blocks
+is keyed in plain Python (numpy's fixed cost is larger). For an 8,192-token list a large
+share of the time is reading the Python ints into an array (``array('Q').fromlist``, the
+floor for any key function over a Python list); ``kvroute bench index`` reports the keys'
+cost against that floor (``keys_vs_ids_to_array``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import array
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from operator import mul
 
 import numpy as np
 
@@ -40,6 +46,13 @@ MAX_TOKEN_ID = 2**31
 _PRIMES = (4294967291, 4294967279)  # the two largest primes below 2**32
 _R_BOUND = 2**27  # t_k * r_k < 2**58, so a 64-token block sums below 2**64
 _U32 = np.uint64(32)
+_M64 = 2**64 - 1
+#: chains of at most this many blocks are keyed in plain Python (faster than numpy's fixed cost)
+_SMALL_BLOCKS = 3
+
+
+#: Token ids: a sequence of ints, or a numpy integer array.
+Tokens = Sequence[int] | np.ndarray
 
 
 class InvalidTokens(ValueError):
@@ -69,17 +82,27 @@ class BlockKeyer:
         self._p = p.reshape(2, 1)
         self._base = [int(words[2 * block_size + m]) % (_PRIMES[m] - 2) + 2 for m in range(2)]
         self._start = [int(words[2 * block_size + 2 + m]) % (_PRIMES[m] - 1) + 1 for m in range(2)]
+        self._rt = np.ascontiguousarray(self._r.T)  # (2, block_size)
+        self._base_col = np.array(self._base, dtype=np.uint64).reshape(2, 1)
+        self._start_col = np.array(self._start, dtype=np.uint64).reshape(2, 1)
+        self._root_term = self._start_col * self._base_col % self._p  # S * B, a root's start
+        #: r_k of both primes in one int for the few-block path (exact up to 64 tokens)
+        self._packed_r: list[int] | None = (
+            [a << 64 | b for a, b in self._r.tolist()] if block_size <= 64 else None
+        )
         self._pow = np.ones((2, 1), dtype=np.uint64)
         self._inv = np.ones((2, 1), dtype=np.uint64)
         self._grow(1024)
 
     # -- public API -------------------------------------------------------------------------
 
-    def keys(self, tokens: Sequence[int], parent: int | None = None) -> list[int]:
+    def keys(self, tokens: Tokens, parent: int | None = None) -> list[int]:
         """Keys of every full block of ``tokens``, chained from ``parent`` (None: a root)."""
         n = len(tokens) // self.block_size
         if n == 0:
             return []
+        if n <= _SMALL_BLOCKS and self._packed_r is not None:
+            return self._keys_small(tokens, n, parent)
         blocks = self._as_blocks(tokens, n)
         return self._chain(self._block_hashes(blocks), parent).tolist()
 
@@ -87,7 +110,7 @@ class BlockKeyer:
         """``[self.keys(tokens, parent) for tokens, parent in chains]`` in one numpy pass.
 
         An engine event batch holds many short chains (one store per request per step) and
-        each ``keys`` call pays ~50-80 µs of numpy overhead whatever its length. With global
+        each ``keys`` call pays ~20 µs of numpy overhead whatever its length. With global
         block index ``g``, a chain starting at ``g0`` from state ``S`` and ``C`` the running
         sum of ``h_G * B**-G``: ``K_g = S * B**(g - g0 + 1) + B**g * (C_g - C_{g0-1})``
         (mod p), which is ``_chain`` with the prefix sums shared across chains.
@@ -151,53 +174,119 @@ class BlockKeyer:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _as_blocks(self, tokens: Sequence[int], n: int) -> np.ndarray:
+    def _keys_small(self, tokens: Tokens, n: int, parent: int | None) -> list[int]:
+        """``keys`` for a few blocks (an engine event storing a block or two) in plain
+        Python: below ~4 blocks the numpy path's fixed cost (~20 µs) is more than a Python
+        loop's ~5 µs per block. Both primes in one product: ``R_k = r_k[0] << 64 | r_k[1]``,
+        so ``sum(t_k * R_k) = h[0] << 64 | h[1]`` (each ``h`` < 2**64 up to 64 tokens)."""
         bs = self.block_size
+        m = n * bs
+        ids = self._ids(tokens, m)
+        if max(ids[:m]) >= MAX_TOKEN_ID:
+            raise InvalidTokens("token ids must be in [0, 2**31)")
+        p0, p1 = _PRIMES
+        b0, b1 = self._base
+        if parent is None:
+            k0, k1 = self._start
+        else:
+            if not 0 <= parent < 2**64:
+                raise ValueError("parent key must be a 64-bit unsigned integer")
+            k0, k1 = parent >> 32, parent & 0xFFFFFFFF
+        packed = self._packed_r
+        out = []
+        for i in range(0, m, bs):
+            h = sum(map(mul, ids[i : i + bs], packed))  # type: ignore[arg-type]
+            k0 = (k0 * b0 + (h >> 64)) % p0
+            k1 = (k1 * b1 + (h & _M64)) % p1
+            out.append(k0 << 32 | k1)
+        return out
+
+    def _ids(self, tokens: Tokens, m: int) -> array.array[int]:
+        """At least the first ``m`` token ids as machine ints (not range-checked).
+
+        A Python list is converted with ``array('Q').fromlist``, the fastest list -> machine
+        int conversion CPython offers (~4 ns per token here, about half the cost of an
+        8,192-token prompt's keys); it rejects negatives and non-integers for us. The whole
+        list is converted (slicing off the partial tail block first would copy it); if that
+        fails, the keyed part alone decides, so tokens past the last full block never matter.
+        """
+        buf = array.array("Q")
+        try:
+            if type(tokens) is list:
+                try:
+                    buf.fromlist(tokens)
+                except (OverflowError, TypeError):
+                    buf = array.array("Q")
+                    buf.fromlist(tokens[:m])
+            elif isinstance(tokens, np.ndarray):
+                arr = tokens[:m]
+                if arr.size and arr.min() < 0:
+                    raise OverflowError("negative token id")
+                buf.frombytes(arr.astype(np.uint64).tobytes())
+            else:
+                buf.extend(tokens[:m])
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise InvalidTokens(f"token ids must be integers in [0, 2**31): {exc}") from None
+        return buf
+
+    def _as_blocks(self, tokens: Tokens, n: int) -> np.ndarray:
+        """The first ``n`` blocks of ``tokens`` as an (n, block_size) uint64 array."""
+        bs = self.block_size
+        m = n * bs
         if isinstance(tokens, np.ndarray):
-            arr = tokens[: n * bs]
+            arr = tokens[:m]
             if arr.size and (arr.min() < 0 or arr.max() >= MAX_TOKEN_ID):
                 raise InvalidTokens("token ids must be in [0, 2**31)")
             arr = arr.astype(np.uint64, copy=False)
         else:
-            try:
-                # array('L') is the fastest list -> machine-int conversion CPython offers and it
-                # rejects negatives and non-integers for us.
-                arr = np.frombuffer(array.array("L", tokens[: n * bs]), dtype=np.uint64)
-            except (OverflowError, TypeError) as exc:
-                raise InvalidTokens(f"token ids must be integers in [0, 2**31): {exc}") from None
+            arr = np.frombuffer(self._ids(tokens, m), dtype=np.uint64)[:m]
             if arr.max() >= MAX_TOKEN_ID:
                 raise InvalidTokens("token ids must be in [0, 2**31)")
         return arr.reshape(n, bs)
 
     def _block_hashes(self, blocks: np.ndarray) -> np.ndarray:
-        """(2, n) array of per-block multilinear hashes mod each prime."""
+        """(2, n) array of per-block multilinear hashes, reduced mod each prime (a new array
+        the caller may modify)."""
         bs = self.block_size
-        if bs <= 64:
-            h = blocks @ self._r
+        if bs <= 64:  # t_k * r_k < 2**58: up to 64 terms sum below 2**64
+            h = self._rt @ blocks.T
         else:  # keep every partial sum below 2**64
-            h = np.zeros((blocks.shape[0], 2), dtype=np.uint64)
+            h = np.zeros((2, blocks.shape[0]), dtype=np.uint64)
             for s in range(0, bs, 32):
-                h = (h + (blocks[:, s : s + 32] @ self._r[s : s + 32]) % self._p.T) % self._p.T
-        return h.T % self._p
+                h += (self._rt[:, s : s + 32] @ blocks[:, s : s + 32].T) % self._p
+                h %= self._p
+        h %= self._p
+        return h
+
+    def _state(self, parent: int | None) -> np.ndarray:
+        """The chain state a first block continues from, as a (2, 1) column of residues."""
+        if parent is None:
+            return self._start_col
+        if not 0 <= parent < 2**64:
+            raise ValueError("parent key must be a 64-bit unsigned integer")
+        return np.array([[parent >> 32], [parent & 0xFFFFFFFF]], dtype=np.uint64)
 
     def _chain(self, h: np.ndarray, parent: int | None) -> np.ndarray:
+        """Keys (uint64) of the chain of block hashes ``h`` (2, n), continued from ``parent``.
+
+        ``K_i = B**i * (S*B + sum_{j<=i} h_j * B**-j)  (mod p)``: one multiply, one prefix sum
+        and one multiply per prime, every intermediate below 2**64, computed in place in ``h``
+        (four reductions mod p: uint64 remainder is most of the arithmetic's cost).
+        """
         n = h.shape[1]
         if n + 1 > self._pow.shape[1]:
             self._grow(max(2 * self._pow.shape[1], n + 1))
-        if parent is None:
-            s = self._start
-        else:
-            if not 0 <= parent < 2**64:
-                raise ValueError("parent key must be a 64-bit unsigned integer")
-            s = [parent >> 32, parent & 0xFFFFFFFF]
         p = self._p
-        # K_i = B**i * (S*B + sum_{j<=i} h_j * B**-j)   (mod p); every term stays < 2**64
-        t = (h * self._inv[:, :n]) % p
-        t[0, 0] += s[0] * self._base[0] % _PRIMES[0]
-        t[1, 0] += s[1] * self._base[1] % _PRIMES[1]
-        c = np.cumsum(t, axis=1) % p
-        k = (c * self._pow[:, :n]) % p
-        return (k[0] << _U32) | k[1]
+        h *= self._inv[:, :n]
+        h %= p
+        h[:, :1] += self._root_term if parent is None else self._state(parent) * self._base_col % p
+        np.cumsum(h, axis=1, out=h)
+        h %= p
+        h *= self._pow[:, :n]
+        h %= p
+        k = h[0] << _U32
+        k |= h[1]
+        return k
 
     def _grow(self, size: int) -> None:
         pw = np.empty((2, size), dtype=np.uint64)

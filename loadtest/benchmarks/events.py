@@ -15,6 +15,13 @@ private redis-server; the gateway's ``Consumer`` in this process applies them to
 
 ``redis_bytes_per_block`` is the stream's memory in Redis (MEMORY USAGE) divided by the
 canonical block events it holds; ``entry_bytes_per_block`` the encoded payload alone.
+
+At the end the index must hold exactly what the engine holds: the engine computes the
+canonical key of every block it holds (``BlockKeyer`` over the block's tokens, chained from
+its parent's key, with the agent's seed and block size), and ``index_equals_engine`` is the
+equality of ``key_digest`` of that set and of the index's key set for the worker (the digest
+the gateway's ``/debug/index`` and the agent's ``/mirror`` publish), not of their sizes.
+``ok``: that equality and P2's end-to-end targets (>= 100,000 blocks/s; lag p99 <= 50 ms).
 """
 
 from __future__ import annotations
@@ -39,13 +46,17 @@ import zmq.asyncio
 
 from gateway.consumer import Consumer, ConsumerConfig
 from gateway.contract.redis_bus import RedisBus
-from gateway.contract.wire import Entry, Removed, Stored
+from gateway.contract.wire import Entry, Removed, Stored, key_digest
+from gateway.routing.keys import BlockKeyer
 from loadtest.harness import ChildProcess, RedisServer, free_ports
 
 NAME = "events"
 HELP = "engine ZMQ -> agent -> Redis -> consumer index: throughput, lag, bytes per block"
 
 WORKER = "bench-w0"
+HASH_SEED = "kvroute-bench"
+P2_E2E_BLOCKS_PER_S = 100_000
+P2_LAG_P99_MS = 50.0
 END_SEQ = b"\xff" * 8
 
 
@@ -67,12 +78,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class SyntheticEngine:
     """A vLLM-like cache: requests store runs of blocks (continuing a recent one or from
     the root); when full, the least recently stored run is evicted tail first (vLLM frees
-    a request's blocks in reverse order), one BlockRemoved per hash."""
+    a request's blocks in reverse order), one BlockRemoved per hash. ``canonical`` maps
+    every held block's hash to its canonical key (what the index must hold)."""
 
     block_size: int
     capacity: int
     rng: random.Random
+    keyer: BlockKeyer
     held: set[int] = field(default_factory=set)
+    canonical: dict[int, int] = field(default_factory=dict)
     runs: deque[list[int]] = field(default_factory=deque)  # oldest first
     stored: int = 0
     removed: int = 0
@@ -93,6 +107,8 @@ class SyntheticEngine:
         hashes = [rng.getrandbits(64) for _ in range(n)]
         tokens = [rng.randrange(1, 100_000) for _ in range(n * self.block_size)]
         self.held.update(hashes)
+        parent_key = None if parent is None else self.canonical[parent]
+        self.canonical.update(zip(hashes, self.keyer.keys(tokens, parent_key), strict=True))
         self.runs.append(hashes)
         self.stored += n
         return {
@@ -116,6 +132,7 @@ class SyntheticEngine:
             if not run:
                 self.runs.popleft()
             self.held.discard(h)
+            del self.canonical[h]
             out.append(
                 {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0}
             )
@@ -195,6 +212,14 @@ class Tap:
         if self.target_seq >= 0 and self.last_seq >= self.target_seq:
             self.done.set()
 
+    async def until(self, seq: int, within: float) -> None:
+        """Wait until the entries covering engine batch ``seq`` have been applied."""
+        self.target_seq = seq
+        self.done.clear()
+        if self.last_seq >= seq:
+            self.done.set()
+        await asyncio.wait_for(self.done.wait(), within)
+
 
 def percentile(xs: list[float], q: float) -> float:
     if not xs:
@@ -215,14 +240,16 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         ["agent", "--engine", "vllm", "--engine-url", "http://127.0.0.1:9",
          "--worker-id", WORKER, "--model", "bench", "--redis", redis_srv.url,
          "--events", f"tcp://127.0.0.1:{pub_port}", "--replay", f"tcp://127.0.0.1:{replay_port}",
-         "--block-size", str(args.block_size), "--log-level", "WARNING",
+         "--block-size", str(args.block_size), "--hash-seed", HASH_SEED,
+         "--log-level", "WARNING",
          "--set", "publish.max_buffer_events=5000000"],
         "agent", workdir,
     )  # fmt: skip
     bus = RedisBus(redis_srv.url)
     tap = Tap()
     consumer = Consumer(bus, config=ConsumerConfig(block_ms=20, poll_interval=0.1), on_entry=tap)
-    engine = SyntheticEngine(args.block_size, args.capacity, random.Random(args.seed))
+    keyer = BlockKeyer(HASH_SEED, args.block_size)
+    engine = SyntheticEngine(args.block_size, args.capacity, random.Random(args.seed), keyer)
     enc = msgspec.msgpack.Encoder()
     # the whole workload is encoded up front: nothing but sends happen while measuring
     per_batch = args.events_per_batch * args.blocks_per_event
@@ -255,14 +282,13 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         for p in payloads:
             seq = await pub.send(stamp(p))
-        tap.target_seq = seq
-        await asyncio.wait_for(tap.done.wait(), 600)
+        await tap.until(seq, 600)
         elapsed = time.perf_counter() - t0
         cpu = {k: round(v - cpu0[k], 2) for k, v in _cpu(agent, redis_srv).items()}
         e2e_blocks = tap.blocks - blocks_before
         stream_bytes, stream_blocks, payload_bytes = await _stream_size(bus, redis_srv.url)
         # -- phase 2: lag at a fixed offered rate ---------------------------------------------
-        tap.done.clear()
+        tap.target_seq = -1  # (phase 1's target is reached already)
         tap.recording = True
         start = time.perf_counter()
         for i, p in enumerate(paced):
@@ -270,10 +296,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             if delay > 0:
                 await asyncio.sleep(delay)
             seq = await pub.send(stamp(p))
-        tap.target_seq = seq
-        await asyncio.wait_for(tap.done.wait(), 120)
+        await tap.until(seq, 120)
         held = consumer.index.worker_keys(WORKER)
-        exact = len(held) == len(engine.held)
+        index_digest = key_digest(held)
+        engine_keys = set(engine.canonical.values())
+        engine_digest = key_digest(engine_keys)
+        missing, extra = len(engine_keys - held), len(held - engine_keys)
     finally:
         await consumer.stop()
         await bus.close()
@@ -284,13 +312,22 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     shutil.rmtree(workdir, ignore_errors=True)  # kept (agent.log) when the run failed
     rate = e2e_blocks / elapsed
     lag50, lag99 = percentile(tap.lags, 0.5) * 1000, percentile(tap.lags, 0.99) * 1000
+    exact = index_digest == engine_digest
+    checks = {
+        "e2e_blocks_per_s": rate >= P2_E2E_BLOCKS_PER_S,
+        "lag_p99_ms": lag99 <= P2_LAG_P99_MS,
+        "index_equals_engine": exact,
+    }
     table = [
-        {"metric": "e2e_blocks_per_s", "value": round(rate), "target": ">= 100000",
-         "ok": rate >= 100_000},
-        {"metric": "lag_p50_ms", "value": round(lag50, 2), "target": "-", "ok": True},
-        {"metric": "lag_p99_ms", "value": round(lag99, 2), "target": "<= 50", "ok": lag99 <= 50},
+        {"metric": "e2e_blocks_per_s", "value": round(rate),
+         "target": f">= {P2_E2E_BLOCKS_PER_S}", "ok": checks["e2e_blocks_per_s"]},
+        {"metric": "lag_p50_ms", "value": round(lag50, 2), "target": "-", "ok": "-"},
+        {"metric": "lag_p99_ms", "value": round(lag99, 2), "target": f"<= {P2_LAG_P99_MS:g}",
+         "ok": checks["lag_p99_ms"]},
         {"metric": "redis_bytes_per_block", "value": round(stream_bytes / max(1, stream_blocks), 1),
-         "target": "-", "ok": True},
+         "target": "-", "ok": "-"},
+        {"metric": "index key digest = engine's", "value": index_digest[:12],
+         "target": engine_digest[:12], "ok": exact},
     ]  # fmt: skip
     return {
         "benchmark": NAME,
@@ -306,8 +343,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "redis_bytes_per_block": round(stream_bytes / max(1, stream_blocks), 1),
         "entry_bytes_per_block": round(payload_bytes / max(1, stream_blocks), 1),
         "index_blocks": len(held),
+        "engine_blocks": len(engine.canonical),
+        "index_missing_blocks": missing,
+        "index_extra_blocks": extra,
+        "index_digest": index_digest,
+        "engine_digest": engine_digest,
         "index_equals_engine": exact,
-        "ok": exact,
+        "targets": checks,
+        "ok": all(checks.values()),
         "table": table,
     }
 

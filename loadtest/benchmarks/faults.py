@@ -9,6 +9,7 @@ their agent's mirror after recovery).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res = run_fault(name, stack, **params)
         print(
             f"{name:<16} ok={res.ok} requests={res.requests} failed={res.failed} broken_streams={res.broken_streams} lost={res.lost} recovery_s={res.recovery_s} {res.detail}",
+            file=sys.stderr,
             flush=True,
         )
         results.append(res)

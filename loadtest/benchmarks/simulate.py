@@ -1,6 +1,6 @@
 """``kvroute bench simulate``: offline cluster simulator speed (target Q6).
 
-Q6: 512 workers, 1M+ requests of a Mooncake-format trace through the simulator with the
+Q6: 2,048 workers, 1M+ requests of a Mooncake-format trace through the simulator with the
 gateway's routing core, in <= 10 minutes here (<= 600 µs per request end to end). This runs a
 scaled-down version by default (64 workers, 50k requests) and ``--full`` runs the real size.
 
@@ -16,6 +16,9 @@ Reported: ``requests_per_s`` (simulated requests per wall second, default policy
 with the number of busy workers, so project from a run at the full worker count), and the
 same stream through ``round_robin`` as the in-run baseline (the simulator without
 index-driven routing), so the ratio survives machine noise.
+
+``ok``: with ``--full``, the run's wall time within the Q6 budget; otherwise the projection
+(``projected_full_s``) within it, a necessary condition only (``ok_basis`` says which).
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ from loadtest.simulate import TRACE_BLOCK_TOKENS, trace_arrivals
 from loadtest.workloads import write_synthetic_trace
 
 NAME = "simulate"
-HELP = "offline cluster simulator speed: scaled-down Q6 (--full: 512 workers, 1M requests)"
+HELP = "offline cluster simulator speed: scaled-down Q6 (--full: 2,048 workers, 1M requests)"
 
-Q6_WORKERS = 512
+Q6_WORKERS = 2048
 Q6_REQUESTS = 1_000_000
 Q6_BUDGET_S = 600.0
 
@@ -44,7 +47,7 @@ Q6_BUDGET_S = 600.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=64)
     p.add_argument("--requests", type=int, default=50_000)
-    p.add_argument("--full", action="store_true", help="Q6 size: 512 workers, 1M requests")
+    p.add_argument("--full", action="store_true", help="Q6 size: 2,048 workers, 1M requests")
     p.add_argument("--rate-per-worker", type=float, default=0.8, help="offered req/s per worker")
     p.add_argument("--kv-blocks", type=int, default=512, help="512-token blocks per worker")
     p.add_argument("--policy", default="ttft")
@@ -134,6 +137,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if len(rows) > 1:
         out["cost_vs_baseline"] = round(main["us_per_request"] / rows[1]["us_per_request"], 2)
     if args.full:
+        out["ok_basis"] = "wall time at the Q6 size"
         out["ok"] = main["wall_s"] <= Q6_BUDGET_S
+    else:
+        out["ok_basis"] = f"projection from {workers} workers x {requests} requests"
+        out["ok"] = main["projected_full_s"] <= Q6_BUDGET_S
     out["table"] = rows
     return out

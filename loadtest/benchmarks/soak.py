@@ -182,6 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "minutes": args.minutes,
         "requests": result.summary["requests"],
         "failed": result.summary["failed"],
+        "errors": result.summary.get("errors", {}),
         "hit_rate": result.summary["hit_rate"],
         "samples": len(samples),
         "warmup_s": round(args.warmup * duration, 1),

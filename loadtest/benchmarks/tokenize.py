@@ -16,6 +16,11 @@ are reported; ``tokenize_followup_ratio`` is followup / cold in CPU time, since 
 cost of a follow-up turn and ``encode_batch`` spreads a cold chat over both cores. Every
 measured result is checked against the plain encode.
 
+``ok``: ids identical to the plain encode, the cache reused, and (for a conversation of at
+least 8,000 tokens, the size P4 names) ``tokenize_followup_ratio`` <= 0.10. Smaller runs
+(smoke tests) report ``meets_p4`` but do not judge it: a fixed-size follow-up is a larger
+share of a short chat.
+
 Use a template whose control tokens are added tokens of the tokenizer (``deepseek-v3`` for the
 bundled one): with another family's template the chat is a single piece and nothing is reused.
 """
@@ -33,6 +38,7 @@ from gateway.tokenization import Tokenizer, bundled_test_tokenizer
 
 NAME = "tokenize"
 P4_TARGET = 0.10  # targets.md: a follow-up turn costs at most 10% of tokenizing the chat cold
+P4_TOKENS = 8_000  # ... of an 8,000-token conversation
 HELP = "incremental chat tokenization: follow-up turn vs cold on an 8,000-token conversation (P4)"
 
 # Pseudo-English vocabulary for deterministic conversations.
@@ -154,10 +160,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "followup_vs_full_ratio": round(warm_wall / full_wall, 4),
         "p4_target": P4_TARGET,
         "meets_p4": warm_cpu / cold_cpu <= P4_TARGET,
+        "p4_applies": len(expected) >= P4_TOKENS,
         "incremental": stats.incremental,
         "ids_identical": ok,
-        "ok": ok and stats.incremental,
     }
+    result["ok"] = ok and stats.incremental and (result["meets_p4"] or not result["p4_applies"])
     result["table"] = [
         {"measure": "cold encode_chat (empty cache)", "cpu_ms": cold_cpu, "wall_ms": cold_wall},
         {"measure": "follow-up turn (warm cache)", "cpu_ms": warm_cpu, "wall_ms": warm_wall},

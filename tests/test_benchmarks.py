@@ -1,0 +1,143 @@
+"""Every ``kvroute bench`` runs here at a seconds-long size, through the same dispatcher as
+the command line, so none can rot: the JSON has its shape, ``ok`` is a boolean the exit code
+follows, and the figures are sane (not the targets: this machine is shared and the sizes are
+tiny). ``bench gateway`` has its own tests; the fault scenarios themselves run on real
+stacks in test_faults.py, so here the faults benchmark's own code runs on a stand-in stack."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest import benchmarks
+from loadtest.benchmarks import faults as faults_bench
+from loadtest.faults import FaultResult
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    """``kvroute bench NAME --json ARGS...`` in this process; returns the printed JSON."""
+    parser = argparse.ArgumentParser()
+    benchmarks.add_arguments(parser)
+    args = parser.parse_args([argv[0], "--json", *argv[1:]])
+    code = benchmarks.run(args)
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert isinstance(out["ok"], bool), out
+    assert code == (0 if out["ok"] else 1)
+    assert out["table"] and all(isinstance(row, dict) for row in out["table"])
+    return out
+
+
+def test_every_benchmark_module_is_covered() -> None:
+    assert set(benchmarks._modules()) == {
+        "events", "faults", "gateway", "index", "sim", "simulate", "soak", "tokenize",
+    }  # fmt: skip
+
+
+def test_index(capsys: pytest.CaptureFixture[str]) -> None:
+    r = bench(capsys, "index", "--workers", "16", "--blocks", "20000", "--queries", "45")
+    assert r["tokens"] == 8192 and r["followup_tokens"] == 300
+    assert 20_000 <= r["entries"] <= 30_000 and r["distinct_keys"] > 0
+    # P1: token ids -> worker, keys included; a follow-up hashes only its new blocks
+    assert 0 < r["keys_p50_us"] < r["route_p50_us"] <= r["route_p99_us"]
+    assert 0 < r["decide_p50_us"] < r["route_p50_us"]
+    assert 0 < r["keys_followup_p50_us"] < r["keys_p50_us"]
+    assert 0 < r["route_followup_p50_us"] <= r["route_followup_p99_us"]
+    assert r["followups_reuse_keys"] and r["sane"]
+    assert r["baseline_ids_to_array_p50_us"] > 0 and r["baseline_dict_walk_p50_us"] > 0
+    # P2, P3: decoded entries applied; keys as the consumer creates them are counted
+    assert r["apply_events_per_s"] > 0 and r["index_apply_events_per_s"] > 0
+    assert 40 < r["bytes_per_entry"] < 400
+    assert set(r["targets"]) == {
+        "route_p50_us", "route_p99_us", "route_followup_p50_us", "apply_events_per_s",
+        "bytes_per_entry",
+    }  # fmt: skip
+    assert r["ok"] == (r["sane"] and all(r["targets"].values()))
+
+
+def test_index_policy_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    r = bench(capsys, "index", "--workers", "8", "--blocks", "4000", "--tokens", "1024",
+              "--queries", "6", "--set", "policy_params.step_ties=1")  # fmt: skip
+    assert r["policy"] == "ttft" and r["policy_params"] == {"step_ties": 1}
+    with pytest.raises(SystemExit):
+        bench(capsys, "index", "--blocks", "4000", "--set", "step_ties=1")
+
+
+def test_events(capsys: pytest.CaptureFixture[str]) -> None:
+    r = bench(capsys, "events", "--blocks", "6000", "--duration", "1", "--rate", "5000",
+              "--capacity", "2000")  # fmt: skip
+    # the index holds exactly the engine's blocks: compared by digest, not by count
+    assert r["index_blocks"] == r["engine_blocks"] == 2000
+    assert r["index_digest"] == r["engine_digest"] and r["index_equals_engine"]
+    assert r["index_missing_blocks"] == r["index_extra_blocks"] == 0
+    assert r["e2e_blocks_per_s"] > 0 and r["e2e_block_events"] >= 6000
+    assert r["lag_entries"] > 0 and 0 < r["lag_p50_ms"] <= r["lag_p99_ms"]
+    assert r["redis_bytes_per_block"] > 0
+    assert r["ok"] == all(r["targets"].values())
+
+
+def test_sim(capsys: pytest.CaptureFixture[str]) -> None:
+    r = bench(capsys, "sim", "--workers", "2", "--requests", "30", "--concurrency", "6",
+              "--core-requests", "200")  # fmt: skip
+    assert r["all_answered"] and r["ok"]
+    assert r["req_per_s"] > 0 and r["cpu_ms_per_req"] > 0 and r["core_us_per_req"] > 0
+
+
+def test_simulate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    r = bench(capsys, "simulate", "--workers", "4", "--requests", "200", "--trace-dir",
+              str(tmp_path), "--no-progress")  # fmt: skip
+    assert r["requests"] == 200 and r["workers"] == 4
+    assert r["ttft"]["requests_per_s"] > 0 and r["round_robin"]["requests_per_s"] > 0
+    assert r["cost_vs_baseline"] > 0 and r["ok_basis"].startswith("projection")
+    assert r["ok"] == (r["projected_full_s"] <= r["q6_budget_s"])
+
+
+def test_tokenize(capsys: pytest.CaptureFixture[str]) -> None:
+    r = bench(capsys, "tokenize", "--tokens", "1500", "--repeats", "2")
+    assert r["ids_identical"] and r["incremental"]
+    assert not r["p4_applies"]  # P4 names an 8,000-token conversation
+    assert r["ok"] and 0 < r["tokenize_followup_ratio"] < 1
+
+
+def test_soak(capsys: pytest.CaptureFixture[str]) -> None:
+    r = bench(capsys, "soak", "--minutes", "0.2", "--rate", "4", "--workers", "2",
+              "--kv-blocks", "128", "--sample", "1")  # fmt: skip
+    assert r["requests"] > 20 and r["failed"] == 0, r["errors"]
+    assert r["samples"] >= 5 and 0 < r["index_blocks_max"] <= r["index_capacity_blocks"]
+    assert {"gateway", "redis", "sim", "agent-0", "agent-1"} <= set(r["processes"])
+    assert isinstance(r["worst_growth"], float) and isinstance(r["hit_rate"], float)
+
+
+def test_faults_benchmark_reports_every_scenario(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class FakeStack:
+        def __init__(self, cfg: Any) -> None:
+            self.cfg = cfg
+
+        def __enter__(self) -> FakeStack:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def fake_fault(name: str, stack: FakeStack, **params: Any) -> FaultResult:
+        seen.append((name, params))
+        ok = name != "stuck_worker"
+        return FaultResult(name, "injected", requests=10, failed=0 if ok else 1, ok=ok)
+
+    monkeypatch.setattr(faults_bench, "Stack", FakeStack)
+    monkeypatch.setattr(faults_bench, "run_fault", fake_fault)
+    r = bench(capsys, "faults", "--faults", "redis_outage,bad_events", "--redis-outage", "2")
+    assert seen == [("redis_outage", {"outage_s": 2.0}), ("bad_events", {})]
+    assert r["ok"] and r["failed_requests"] == 0 and len(r["faults"]) == 2
+    assert [row["fault"] for row in r["table"]] == ["redis_outage", "bad_events"]
+    r = bench(capsys, "faults", "--faults", "stuck_worker")
+    assert not r["ok"] and r["failed_requests"] == 1
