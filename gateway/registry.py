@@ -140,7 +140,20 @@ class Registry:
                 added.append(wid)
             else:
                 entry.info = info
+        self._set_engine_block_sizes()
         return added, removed
+
+    def _set_engine_block_sizes(self) -> None:
+        """Each pool's engine block size, from its workers' registrations: the engines reuse
+        whole engine blocks only, and an agent learns its engine's size after it registers
+        (vLLM says it in ``/metrics``). A pool's engines share one size; take the coarsest."""
+        sizes: dict[int, int] = {}
+        for e in self.workers.values():
+            if e.info is not None:
+                key = id(e.pool)
+                sizes[key] = max(sizes.get(key, 1), e.info.engine_block_size)
+        for pool in {id(e.pool): e.pool for e in self.workers.values()}.values():
+            pool.router.engine_block_size = sizes.get(id(pool), 1)
 
     def _pool_of(self, info: WorkerInfo) -> Pool | None:
         return self._by_model.get(info.pool) or self._by_model.get(info.model)
@@ -159,10 +172,6 @@ class Registry:
             labels=dict(info.labels) if info else {},
         )
         pool.router.add_worker(wid)
-        if info is not None:  # a pool's engines share one block size; take the coarsest
-            pool.router.engine_block_size = max(
-                pool.router.engine_block_size, info.engine_block_size
-            )
 
     def _remove(self, wid: str) -> None:
         entry = self.workers.pop(wid, None)

