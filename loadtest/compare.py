@@ -1,77 +1,599 @@
 """``kvroute loadtest compare``: one workload, one sim cluster, several routers, one report.
 
-For each system (kvroute with its default policy, kvroute with a baseline policy, real
-sglang-router with ``cache_aware`` and ``round_robin``) and each offered load (a fraction of
-the cluster's capacity), the same seeded workload is replayed open-loop against the same
-simulated workers, whose caches are emptied before every run. Per-worker hit rates and
-request counts are read from the workers' own ``/metrics`` (before/after each run), so
-every router is measured the same way, headers or not.
+For each system (kvroute with its default policy or a baseline policy, and the peers of
+``loadtest.peers``: smg, vllm-router, historical sglang-router) and each offered load, the
+same seeded workload is replayed open-loop against the same simulated workers, whose caches
+are emptied before every run. Per-worker hit rates and request counts are read from the
+workers' own ``/metrics`` (before/after each run), so every router is measured the same way.
 
-Output: one JSON object (the shape in the issue), a markdown table, and PNG plots.
+Three yardsticks are computed here, each on exactly what the live runs send:
+
+* **Policy-neutral load.** Load 1.0 is the capacity of the pooled-cache cluster: ONE simulated
+  worker with all the cluster's KV blocks and compute (``clustersim.pooled_config``), no routing
+  policy at all. Its capacity is the highest offered rate at which its p99 TTFT stays within
+  ``capacity_ttft_factor`` x the p99 cold prefill time of one real worker, found by doubling
+  then bisection in the offline simulator, on the same requests retimed as the live runs retime
+  them. No router can beat perfect sharing and perfect balance, so load 1.0 is at or beyond
+  every system's own limit.
+* **Capacity at SLO** (per system, the headline): the highest offered rate at which p90 TTFT
+  (failed requests counted as infinitely slow) stays within ``slo_ttft_ms``. The load sweep's
+  runs are its first probes; ``slo_probes`` more runs bisect between the highest passing and the
+  lowest failing rate (or extend past the ends). Reported as ``capacity_at_slo`` in the JSON.
+* **Q1's bound on the measured window.** Per load, the pooled-cache bound is simulated on the
+  very requests sent, with the same arrival times, and its hit rate is counted over the requests
+  the live figure counts (those scheduled after the warm-up): ``bound_hit_rate`` per row.
+
+Traces (``--workload trace --set params.path=...``, Mooncake format) go through the same code:
+their token ids are used as they are (``completion_ids``), only the part of the trace a run
+needs is materialised, and KV capacity per worker comes from the model (``kv_blocks: 0``, a
+70B FP8 model on 8xH100 by default: ~3M tokens per worker) unless a preset sets eviction
+pressure on purpose.
+
+Output: one JSON object, a markdown table, and PNG plots.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 import urllib.request
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
+
+from loadtest.clustersim import (
+    Arrival,
+    ClusterConfig,
+    cold_prefill_p99_ms,
+    pooled_bound,
+    pooled_config,
+    simulate,
+)
 from loadtest.driver import DriverConfig, balance, run_load, summarize
-from loadtest.harness import ChildProcess
-from loadtest.peers import sglang_router, wait_router_ready
+from loadtest.peers import (
+    HISTORICAL_NOTE,
+    PEERS,
+    SMG_TUNING,
+    Peer,
+    PeerNotInstalled,
+    PeerUnsupported,
+    is_peer,
+    launch,
+    peer_spec,
+    pool_from_stack,
+)
 from loadtest.report import format_table
 from loadtest.stack import Stack, StackConfig
-from loadtest.workloads import WorkItem, make_workload
+from loadtest.workloads import TraceWorkload, WorkItem, Workload, make_workload
 
-__all__ = ["SYSTEMS", "CompareConfig", "run_compare", "scrape_workers"]
+__all__ = [
+    "DEFAULT_SYSTEMS",
+    "KVROUTE_POLICIES",
+    "SYSTEMS",
+    "CompareConfig",
+    "RateSearch",
+    "Stream",
+    "SyntheticTrace",
+    "kv_blocks_from_model",
+    "neutral_capacity",
+    "p90_with_failures",
+    "pick_best",
+    "run_compare",
+    "scrape_workers",
+    "search_max_rate",
+    "window_bound",
+    "write_trace_window",
+]
 
+KVROUTE_POLICIES = ("ttft", "round_robin", "least_load", "prefix", "session", "random")
 SYSTEMS = (
     "kvroute",
-    "kvroute-round_robin",
-    "kvroute-least_load",
-    "kvroute-prefix",
-    "kvroute-session",
-    "kvroute-random",
-    "sglang-cache_aware",
-    "sglang-round_robin",
-    "sglang-power_of_two",
+    *(f"kvroute-{p}" for p in KVROUTE_POLICIES if p != "ttft"),
+    *PEERS,
 )
+DEFAULT_SYSTEMS = ("kvroute", "smg-cache_aware", "vllm-router-kv_aware", "smg-round_robin")
+
+CAPACITY_DEFINITION = (
+    "policy-neutral capacity = the highest offered rate (req/s, the workload retimed exactly as "
+    "the live runs retime it) at which the pooled-cache cluster -- ONE simulated worker with all "
+    "the cluster's KV blocks and compute, no routing -- keeps p99 TTFT of the measured window "
+    "<= ttft_factor x the p99 of the requests' cold prefill times on one real worker; doubling "
+    "then bisection in the offline simulator. Loads are fractions of it. One big worker shares "
+    "every cached block and batches everything in one step, so N separate workers, however "
+    "routed, reach somewhat less (2 workers on one hot prefix: ~24 req/s against its 28)."
+)
+SLO_DEFINITION = (
+    "capacity at SLO = the highest offered rate at which p90 TTFT of the measured requests "
+    "(failed ones counted as infinitely slow) is <= slo_ttft_ms: the load sweep's runs first, "
+    "then up to slo_probes more runs bisecting between the highest passing rate below the "
+    "lowest failing one and that failing rate (or extending past the ends by x1.5)."
+)
+BEST_DEFINITION = (
+    "best smg setting = the highest goodput (requests with TTFT <= slo_ttft_ms / requests) at "
+    "tune_load; settings within 0.01 of it are ranked by p90 TTFT (lower wins)"
+)
+
+
+@dataclass
+class SyntheticTrace:
+    """A window of ``loadtest.workloads.write_synthetic_trace``'s trace (its arguments, then
+    the records kept: ``skip`` .. ``skip + take``)."""
+
+    requests: int = 12_031
+    duration_s: float = 3540.0
+    seed: int = 0
+    mean_input: int = 12_035
+    mean_output: int = 343
+    skip: int = 0
+    take: int | None = None
 
 
 @dataclass
 class CompareConfig:
     workload: str = "chat"
     params: dict[str, Any] = field(default_factory=dict)
+    #: offered loads, fractions of the policy-neutral capacity
     loads: list[float] = field(default_factory=lambda: [0.3, 0.6, 0.8, 0.95])
-    #: requests/s the cluster sustains on this workload (load 1.0); 0: estimate offline
+    #: requests/s at load 1.0; 0: the pooled-cache cluster's capacity (offline, see above)
     capacity_rps: float = 0.0
-    systems: list[str] = field(
-        default_factory=lambda: [
-            "kvroute",
-            "kvroute-round_robin",
-            "sglang-cache_aware",
-            "sglang-round_robin",
-        ]
-    )
+    capacity_ttft_factor: float = 3.0
+    systems: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEMS))
     workers: int = 8
-    kv_blocks: int = 4096
+    #: KV blocks per worker; 0: what the model leaves in GPU memory (the settings below)
+    kv_blocks: int = 0
     block_size: int = 16
+    #: the model behind kv_blocks 0 (default: a 70B FP8 model, e.g. Llama-3-70B: 80 layers x
+    #: 8 KV heads x 128 dims x 2 (K and V) x 1 byte = 160 KiB per token) on gpus_per_worker GPUs
+    model_kv_bytes_per_token: int = 163_840
+    model_weights_gb: float = 70.0
+    gpu_memory_gb: float = 80.0
+    gpus_per_worker: int = 8
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int = 262_144
     speedup: float = 1.0
     timing: str = "mocker"
     duration: float = 60.0
     slo_ttft_ms: float = 1000.0
-    #: gateway replicas per kvroute system (and sglang-router processes); the driver
-    #: spreads requests over them round-robin, like a load balancer in front
+    #: extra live runs per system to narrow its capacity at SLO (0: the sweep's runs only)
+    slo_probes: int = 2
+    slo_rel_tol: float = 0.1
+    #: measured seconds of those runs (0: duration)
+    slo_probe_duration: float = 0.0
+    #: run every smg setting of ``smg_variants`` at ``tune_load`` first; the best one then
+    #: stands in for smg-cache_aware in ``systems`` (all of them are in the JSON)
+    tune_smg: bool = False
+    tune_load: float = 0.6
+    smg_variants: list[str] = field(default_factory=lambda: list(SMG_TUNING))
+    #: extra command-line flags per peer system, e.g. {"smg-cache_aware": ["--cache-threshold",
+    #: "0.2"]}
+    peer_args: dict[str, list[str]] = field(default_factory=dict)
+    #: how trace prompts are sent: "text" (each token id spelled as one single-token word:
+    #: the same prefixes and lengths as text completions, which every router takes; smg's
+    #: OpenAI routes take text only) or "ids" (completion_ids, the trace's token ids as they
+    #: are: no tokenizing anywhere, but only kvroute and vllm-router accept them)
+    trace_prompts: Literal["ids", "text"] = "text"
+    #: trace workload without params.path: write a window of the project's synthetic trace
+    #: to <out_dir>/trace.jsonl (see SyntheticTrace)
+    synthetic_trace: SyntheticTrace | None = None
+    #: gateway replicas per kvroute system (and peer processes); the driver spreads requests
+    #: over them round-robin, like a load balancer in front
     replicas: int = 1
     mode: str = "chat"
     out_dir: str = "reports/compare"
     seed: int = 0
     progress: bool = True
+
+
+# -- KV capacity from the model ---------------------------------------------------------------
+
+
+def kv_blocks_from_model(cfg: CompareConfig) -> int:
+    """KV blocks per worker that the model leaves: (GPUs x memory x utilisation - weights)
+    / KV bytes per token / block size (a 70B FP8 model on 8xH100: ~3.1M tokens)."""
+    free = (
+        cfg.gpus_per_worker * cfg.gpu_memory_gb * cfg.gpu_memory_utilization - cfg.model_weights_gb
+    ) * 1e9
+    tokens = int(free // cfg.model_kv_bytes_per_token)
+    if tokens < cfg.block_size:
+        raise ValueError("the model leaves no GPU memory for the KV cache")
+    return tokens // cfg.block_size
+
+
+def _kv_blocks(cfg: CompareConfig) -> int:
+    return cfg.kv_blocks or kv_blocks_from_model(cfg)
+
+
+# -- the request stream -----------------------------------------------------------------------
+
+
+class Stream:
+    """A workload's requests, retimed to any rate exactly as the live runs send them.
+
+    With ``sessions_ramp`` (conversations, agents), sessions start as a Poisson stream and then
+    issue their turns, so a run starting from nothing ramps up: everything is sent from t=0
+    but only requests scheduled after the warm-up (the median session span) are measured.
+    Otherwise (shared-prefix groups, traces) the stream's own mean rate is scaled to the rate
+    and there is no warm-up. Traces are read only as far as a window needs (they must be in
+    time order, as Mooncake's are); their token ids are used as they are.
+    """
+
+    def __init__(
+        self, workload: Workload, mode: str, tokenizer: Any = None, trace_text: bool = False
+    ) -> None:
+        self.workload = workload
+        self.mode = mode
+        self._tokenizer = tokenizer
+        self._spell: _Speller | None = None
+        if trace_text and workload.prompt_kind == "ids":
+            self._spell = _Speller(self._get_tokenizer())
+        self._gen: Iterator[WorkItem] | None = iter(workload.items())
+        self.items: list[WorkItem] = []
+        self._tokens: dict[int, bytes] = {}
+        self.median_span = 0.0
+        if workload.sessions_ramp:
+            self._fill(math.inf)
+            first: dict[str, float] = {}
+            last: dict[str, float] = {}
+            for it in self.items:
+                first.setdefault(it.session, it.at)
+                last[it.session] = it.at
+            starts = sorted(first.values())
+            span = starts[-1] - starts[0] if starts else 0.0
+            self.steady = (
+                (len(starts) - 1) / span * (len(self.items) / len(starts)) if span > 0 else 0.0
+            )
+            spans = sorted(last[s] - first[s] for s in first)
+            self.median_span = spans[len(spans) // 2] if spans else 0.0
+        elif isinstance(workload, TraceWorkload):
+            n, t0, t1 = _scan_trace(workload)
+            self.steady = (n - 1) / ((t1 - t0) / workload.speed) if n > 1 and t1 > t0 else 0.0
+        else:
+            self._fill(math.inf)
+            span = self.items[-1].at - self.items[0].at if len(self.items) > 1 else 0.0
+            self.steady = (len(self.items) - 1) / span if span > 0 else 0.0
+        if self.steady <= 0:
+            raise ValueError("the workload's arrivals span no time: cannot retime it to a rate")
+
+    def timing(self, rate: float) -> tuple[float, float]:
+        """(factor that scales arrival times to ``rate``, warm-up seconds at that rate)."""
+        factor = self.steady / rate
+        return factor, self.median_span * factor
+
+    def window(self, rate: float, duration: float) -> tuple[list[WorkItem], float]:
+        """The requests a run at ``rate`` sends (retimed copies) and its warm-up: everything
+        scheduled up to warm-up + ``duration``."""
+        factor, warmup = self.timing(rate)
+        end = warmup + duration
+        self._fill(self._origin() + end / factor)
+        t0 = self._origin()  # a trace's first timestamp need not be 0
+        items = [
+            WorkItem(it.index, (it.at - t0) * factor, it.session, it.segments, it.max_tokens)
+            for it in self.items
+            if (it.at - t0) * factor <= end
+        ]
+        return items, warmup
+
+    def covers(self, rate: float, duration: float) -> bool:
+        """Whether the workload lasts the whole run at ``rate`` (to 90% of warm-up +
+        ``duration``): past that rate a run is a burst of every request, not a load level."""
+        factor, warmup = self.timing(rate)
+        end = warmup + duration
+        self._fill(self._origin() + end / factor)
+        return self._gen is not None or (self.items[-1].at - self._origin()) * factor >= 0.9 * end
+
+    def _origin(self) -> float:
+        if not self.items:
+            self._fill(-math.inf)
+        return self.items[0].at if self.items else 0.0
+
+    def arrivals(self, items: Sequence[WorkItem]) -> list[Arrival]:
+        """``items`` as the offline simulator's arrivals: the token ids the engines get from
+        the live driver's ``mode`` (tokenized once per request; for ``completion_ids`` the
+        items' segments get their ids, which the driver then sends)."""
+        todo = [it for it in items if it.index not in self._tokens]
+        if todo:
+            if self.workload.prompt_kind == "ids" and self._spell is None:
+                for it in todo:
+                    self._tokens[it.index] = array("I", it.prompt_ids()).tobytes()
+            else:
+                from loadtest.simulate import items_arrivals
+
+                tk = self._get_tokenizer()
+                for a in items_arrivals(todo, mode=self.mode, tokenizer=tk):
+                    self._tokens[a.index] = a.tokens
+        return [
+            Arrival(it.index, it.at, self._tokens[it.index], it.max_tokens, it.session)
+            for it in items
+        ]
+
+    def _get_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from gateway.tokenization import Tokenizer, bundled_test_tokenizer
+
+            self._tokenizer = Tokenizer.load(bundled_test_tokenizer(), "deepseek-v3")
+        return self._tokenizer
+
+    def _fill(self, until: float) -> None:
+        """Read the workload's items up to native time ``until`` (and one beyond)."""
+        while self._gen is not None and (not self.items or self.items[-1].at <= until):
+            nxt = next(self._gen, None)
+            if nxt is None:
+                self._gen = None
+                continue
+            if self._spell is not None:
+                nxt, self._tokens[nxt.index] = self._spell.item(nxt)
+            self.items.append(nxt)
+
+
+class _Speller:
+    """Token-id prompts as text: id ``i`` becomes word ``i mod n`` of the workloads' word list,
+    each of which is ONE token (with its leading space) for the stack's tokenizer, so the
+    text tokenizes back to exactly those word ids and prefixes stay prefixes. Checked on the
+    first prompt against the real tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from loadtest.workloads import WORDS
+
+        self.tokenizer = tokenizer
+        self.words: list[str] = []
+        self.ids: list[int] = []
+        for w in WORDS:
+            ids = tokenizer.encode(" " + w, add_special_tokens=False)
+            if len(ids) == 1:
+                self.words.append(" " + w)
+                self.ids.append(ids[0])
+        if len(self.words) < 64:
+            raise ValueError("the tokenizer has too few single-token words to spell a trace")
+        self._checked = False
+
+    def item(self, it: WorkItem) -> tuple[WorkItem, bytes]:
+        from loadtest.workloads import Segment
+
+        n = len(self.words)
+        segs: list[Segment] = []
+        ids: list[int] = []
+        for s in it.segments:
+            src = s.ids or ()
+            segs.append(Segment(s.key, s.role, "".join(self.words[i % n] for i in src)))
+            ids.extend(self.ids[i % n] for i in src)
+        out = WorkItem(it.index, it.at, it.session, segs, it.max_tokens)
+        if not self._checked:
+            real = self.tokenizer.encode(out.prompt_text(), add_special_tokens=True)
+            if real != ids:
+                raise RuntimeError("spelled trace prompts do not tokenize back to their ids")
+            self._checked = True
+        return out, array("I", ids).tobytes()
+
+
+def _scan_trace(wl: TraceWorkload) -> tuple[int, float, float]:
+    """Records, first and last timestamp (s) of a trace, without building its prompts."""
+    from loadtest.simulate import scan_trace
+
+    info = scan_trace(wl.path, wl.limit)
+    return info.requests, info.first_s, info.last_s
+
+
+def write_trace_window(
+    path: Path,
+    *,
+    requests: int = 12_031,
+    duration_s: float = 3540.0,
+    seed: int = 0,
+    skip: int = 0,
+    take: int | None = None,
+    **shape: Any,
+) -> Path:
+    """Records ``skip .. skip+take`` of ``write_synthetic_trace``'s trace, timestamps from 0.
+
+    A window from the middle of the trace has its production shape: long prompts sharing
+    block 0 (one 512-token prefix) and little other reuse, because the follow-ups it holds
+    mostly extend conversations that started before the window."""
+    from loadtest.workloads import write_synthetic_trace
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    full = path.with_name(path.name + ".full")
+    write_synthetic_trace(full, requests=requests, duration_s=duration_s, seed=seed, **shape)
+    lines = full.read_text().splitlines()
+    full.unlink()
+    kept = lines[skip : None if take is None else skip + take]
+    if not kept:
+        raise ValueError(f"synthetic_trace: no records left after skip={skip}")
+    t0 = json.loads(kept[0])["timestamp"]
+    with open(path, "w") as f:
+        for line in kept:
+            rec = json.loads(line)
+            rec["timestamp"] -= t0
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+# -- bounded searches -------------------------------------------------------------------------
+
+
+@dataclass
+class RateSearch:
+    """Highest passing rate found: ``rate`` (0 if none passed), every probe in order."""
+
+    rate: float
+    #: None: bracketed; "above": no probe failed (the answer is >= rate); "below": none passed
+    censored: str | None
+    probes: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def search_max_rate(
+    probe: Callable[[float], bool | tuple[bool, dict[str, Any]]],
+    *,
+    known: Iterable[tuple[float, bool]] = (),
+    start: float,
+    max_probes: int,
+    rel_tol: float = 0.1,
+    grow: float = 2.0,
+) -> RateSearch:
+    """The highest rate at which ``probe(rate)`` passes, in at most ``max_probes`` calls.
+
+    ``known``: results already measured (rate, passed). The answer is the highest passing rate
+    below the lowest failing one (so a noisy pass above a failure does not count). Without a
+    failure the search extends up by ``grow``; without a pass, down; then it bisects until the
+    bracket is within ``rel_tol`` of its top. ``probe`` may return (passed, detail).
+    """
+    points: dict[float, bool] = {}
+    probes: list[dict[str, Any]] = []
+    for rate, ok in known:
+        points[rate] = points.get(rate, True) and ok
+
+    def bracket() -> tuple[float, float]:
+        hi = min((r for r, ok in points.items() if not ok), default=math.inf)
+        lo = max((r for r, ok in points.items() if ok and r < hi), default=0.0)
+        return lo, hi
+
+    n = 0
+    while n < max_probes:
+        lo, hi = bracket()
+        if not points:
+            rate = start
+        elif math.isinf(hi):
+            rate = lo * grow
+        elif lo == 0.0:
+            rate = hi / grow
+        elif hi - lo <= rel_tol * hi:
+            break
+        else:
+            rate = (lo + hi) / 2
+        out = probe(rate)
+        ok, detail = out if isinstance(out, tuple) else (out, {})
+        points[rate] = ok
+        probes.append({"rate": round(rate, 4), "ok": ok, **detail})
+        n += 1
+    lo, hi = bracket()
+    censored = "above" if math.isinf(hi) else "below" if lo == 0.0 else None
+    return RateSearch(round(lo, 4), censored, probes)
+
+
+def p90_with_failures(ttfts_ms: Sequence[float], failed: int) -> float:
+    """p90 TTFT (the driver's linear rule) over ok requests plus ``failed`` infinitely slow
+    ones; inf when no request completed."""
+    xs = sorted(ttfts_ms) + [math.inf] * failed
+    if not xs:
+        return math.inf
+    k = (len(xs) - 1) * 0.9
+    lo, hi = math.floor(k), math.ceil(k)
+    if math.isinf(xs[hi]):
+        return math.inf
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def pick_best(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The row that served best (see ``BEST_DEFINITION``); None when every run failed."""
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        return None
+    top = max(r["goodput"] for r in ok)
+    near = [r for r in ok if r["goodput"] >= top - 0.01]
+
+    def p90(r: dict[str, Any]) -> float:
+        v = r.get("ttft_p90_ms")
+        return math.inf if v is None else float(v)
+
+    return min(near, key=lambda r: (p90(r), -r["goodput"]))
+
+
+# -- offline references (same requests, same timing as the live runs) -------------------------
+
+
+def _cluster(cfg: CompareConfig) -> ClusterConfig:
+    return ClusterConfig(
+        workers=cfg.workers,
+        policy="round_robin",
+        kv_blocks=_kv_blocks(cfg),
+        block_size=cfg.block_size,
+        timing=cfg.timing,
+        speedup=cfg.speedup,
+        seed=cfg.seed,
+        slo_ttft_ms=cfg.slo_ttft_ms,
+    )
+
+
+def _measured(res: Any, warmup: float) -> np.ndarray:
+    """Mask of the requests scheduled after the warm-up (those the live figures count)."""
+    return np.frombuffer(res.table.arrival, dtype=np.float64) >= warmup
+
+
+def neutral_capacity(
+    stream: Stream, cfg: CompareConfig, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """The pooled-cache cluster's capacity (``CAPACITY_DEFINITION``) as a JSON object with
+    ``capacity_rps`` and the probes."""
+    cluster = _cluster(cfg)
+    pooled = pooled_config(cluster)
+    ref: list[float] = []
+
+    def probe(rate: float) -> tuple[bool, dict[str, Any]]:
+        if not stream.covers(rate, cfg.duration):
+            if progress is not None:
+                progress(f"  pooled capacity probe {rate:8.3f} req/s: the workload ends first")
+            return False, {"exhausted": True}
+        items, warmup = stream.window(rate, cfg.duration)
+        arrivals = stream.arrivals(items)
+        if not ref:  # the yardstick: cold prefill on ONE real worker, first window's requests
+            ref.append(cold_prefill_p99_ms(arrivals, cluster))
+        res = simulate(arrivals, pooled)
+        mask = _measured(res, warmup)
+        ttft = np.frombuffer(res.table.ttft, dtype=np.float64)[mask]
+        p99 = float(np.percentile(ttft, 99)) * 1000.0 if len(ttft) else math.inf
+        ok = p99 <= cfg.capacity_ttft_factor * ref[0]
+        if progress is not None:
+            progress(f"  pooled capacity probe {rate:8.3f} req/s: p99 TTFT {p99:9.1f} ms -> "
+                     f"{'ok' if ok else 'over'}")  # fmt: skip
+        shown = round(p99, 2) if math.isfinite(p99) else None
+        return ok, {"ttft_p99_ms": shown, "requests": int(mask.sum())}
+
+    found = search_max_rate(probe, start=float(cfg.workers), max_probes=16, rel_tol=0.05, grow=2.0)
+    if found.rate <= 0:
+        raise RuntimeError(f"no rate passed the capacity criterion: {found.probes}")
+    fails = [p for p in found.probes if not p["ok"]]
+    lowest_fail = min(fails, key=lambda p: p["rate"]) if fails else {}
+    return {
+        "capacity_rps": found.rate,
+        # the workload ran out before the cluster did: load 1.0 is its length's limit
+        "workload_limited": bool(lowest_fail.get("exhausted")),
+        "basis": "pooled",
+        "definition": CAPACITY_DEFINITION,
+        "ttft_factor": cfg.capacity_ttft_factor,
+        "reference_ms": round(ref[0], 2),
+        "limit_ms": round(cfg.capacity_ttft_factor * ref[0], 2),
+        "censored": found.censored,
+        "probes": found.probes,
+    }
+
+
+def window_bound(stream: Stream, rate: float, cfg: CompareConfig) -> dict[str, Any]:
+    """Q1's pooled-cache bound on one run's window: the very requests a live run at ``rate``
+    sends, with their arrival times, simulated on the pooled cluster; the hit rate counts the
+    requests the live figure counts (scheduled after the warm-up)."""
+    items, warmup = stream.window(rate, cfg.duration)
+    res = pooled_bound(stream.arrivals(items), _cluster(cfg))
+    mask = _measured(res, warmup)
+    prompt = int(np.frombuffer(res.table.prompt_tokens, dtype=np.int64)[mask].sum())
+    cached = int(np.frombuffer(res.table.cached_tokens, dtype=np.int64)[mask].sum())
+    return {
+        "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+        "requests": int(mask.sum()),
+        "sent": len(items),
+        "warmup_s": round(warmup, 2),
+    }
+
+
+# -- live runs --------------------------------------------------------------------------------
 
 
 def scrape_workers(urls: list[str]) -> dict[str, dict[str, float]]:
@@ -116,105 +638,309 @@ def _delta(
     return out
 
 
-def run_compare(
-    cfg: CompareConfig, bound_hit_rate: float | None = None, reference: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Run every (system, load) pair; write JSON, markdown and plots to ``cfg.out_dir``."""
+def _check_systems(systems: Iterable[str]) -> None:
+    for s in systems:
+        if is_peer(s):
+            continue
+        kind, _, policy = s.partition("-")
+        if kind != "kvroute" or (policy and policy not in KVROUTE_POLICIES):
+            raise ValueError(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
+
+
+def run_compare(cfg: CompareConfig) -> dict[str, Any]:
+    """Run every (system, load) pair and each system's capacity at SLO; write JSON, markdown
+    and plots to ``cfg.out_dir`` (the report is on disk after every run)."""
+    _check_systems([*cfg.systems, *(cfg.smg_variants if cfg.tune_smg else ())])
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    workload = make_workload(cfg.workload, seed=cfg.seed, **cfg.params)
+    params = dict(cfg.params)
+    if cfg.workload == "trace" and not params.get("path"):
+        if cfg.synthetic_trace is None:
+            raise ValueError("workload 'trace' needs params.path (a Mooncake-format JSONL file)")
+        params["path"] = str(write_trace_window(out / "trace.jsonl", **asdict(cfg.synthetic_trace)))
+    workload = make_workload(cfg.workload, seed=cfg.seed, **params)
+    text = cfg.trace_prompts == "text"
+    if workload.prompt_kind == "ids":
+        # token-id prompts (traces) go as they are, or spelled as text (see trace_prompts)
+        cfg.mode = "completion" if text else "completion_ids"
+    stream = Stream(workload, cfg.mode, trace_text=text)
+    say = print if cfg.progress else None
+    reference: dict[str, Any] = {"kv_blocks_per_worker": _kv_blocks(cfg)}
     if not cfg.capacity_rps:
-        raise ValueError(
-            "capacity_rps is required (estimate it with `kvroute simulate --capacity`)"
-        )
-    base_items = list(workload.items())
-    stack_cfg = StackConfig(
-        workers=cfg.workers,
-        kv_blocks=cfg.kv_blocks,
-        block_size=cfg.block_size,
-        speedup=cfg.speedup,
-        timing=cfg.timing,
-        gateways=0,
-        log_dir=out / "logs",
-    )
+        reference.update(neutral_capacity(stream, cfg, say))
+        cfg.capacity_rps = reference["capacity_rps"]
+    else:
+        reference.update(capacity_rps=cfg.capacity_rps, basis="given")
+    bounds = {str(load): window_bound(stream, load * cfg.capacity_rps, cfg) for load in cfg.loads}
     results: list[dict[str, Any]] = []
     report: dict[str, Any] = {
         "workload": workload.describe(),
-        "bound_hit_rate": bound_hit_rate,
+        "bound_hit_rate": max((b["hit_rate"] for b in bounds.values()), default=None),
+        "bound_by_load": {k: b["hit_rate"] for k, b in bounds.items()},
         "capacity_rps": cfg.capacity_rps,
         "config": asdict(cfg),
-        "offline_reference": reference,
+        "offline_reference": {**reference, "bound_windows": bounds},
         "results": results,
+        "capacity_at_slo": {},
+        "definitions": {"capacity": CAPACITY_DEFINITION, "capacity_at_slo": SLO_DEFINITION},
+        "notes": {s: PEERS[s].note for s in cfg.systems if is_peer(s) and PEERS[s].note},
     }
+    stack_cfg = StackConfig(
+        workers=cfg.workers,
+        kv_blocks=_kv_blocks(cfg),
+        block_size=cfg.block_size,
+        speedup=cfg.speedup,
+        timing=cfg.timing,
+        max_model_len=cfg.max_model_len,
+        gateways=0,
+        log_dir=out / "logs",
+    )
     with Stack(stack_cfg) as stack:
-        for system in cfg.systems:
+        runner = _Runner(stack, cfg, stream)
+        systems = list(cfg.systems)
+        if cfg.tune_smg:
+            report["smg_tuning"] = tuning = runner.tune_smg()
+            _write_report(report, out)
+            best = tuning.get("best")
+            if best and "smg-cache_aware" in systems:
+                systems = [best if s == "smg-cache_aware" else s for s in systems]
+                if best != "smg-cache_aware":
+                    report["notes"][best] = (
+                        f"smg's best setting on this workload ({BEST_DEFINITION}); it stands "
+                        "in for smg-cache_aware"
+                    )
+        for system in systems:
+            rows: list[dict[str, Any]] = []
             for load in cfg.loads:
-                rate = load * cfg.capacity_rps
-                items, warmup = _window(base_items, rate, cfg.duration, workload.sessions_ramp)
-                row: dict[str, Any] = {"system": system, "load": load, "rate": round(rate, 3)}
-                try:
-                    res = _run_one(stack, cfg, system, items, warmup, f"{system} @ {load:.0%}")
-                except (OSError, TimeoutError, RuntimeError) as exc:
-                    # one system failing (a peer that will not start, workers that will not
-                    # drain) must not cost the runs already done or the systems after it
-                    res = {"error": f"{type(exc).__name__}: {exc}"}
-                row.update(res)
+                row = runner.run(system, load * cfg.capacity_rps, cfg.duration, load=load)
+                if "error" not in row:
+                    b = bounds[str(load)]["hit_rate"]
+                    row["bound_hit_rate"] = b
+                    row["hit_rate_vs_bound"] = round(row["hit_rate"] / b, 4) if b else None
+                rows.append(row)
                 results.append(row)
-                print(_row_line(row), flush=True)
-                _write_report(report, out)  # every finished run is on disk at once
-    _write_report(report, out)
+                if cfg.progress:
+                    print(_row_line(row), flush=True)
+                _write_report(report, out)
+                if isinstance(row.get("missing"), str):
+                    break  # the peer is not installed: no point in the other loads
+            report["capacity_at_slo"][system] = runner.capacity_at_slo(system, rows)
+            _write_report(report, out)
     try:
         from loadtest.plots import compare_plots
 
         report["plots"] = compare_plots(report, out)
     except ImportError as exc:  # matplotlib is in the bench extra
         report["plots"] = f"not drawn: {exc}"
+    _write_report(report, out)
     return report
 
 
+class _Runner:
+    """Runs one system at one rate on the stack (see ``run``)."""
+
+    def __init__(self, stack: Stack, cfg: CompareConfig, stream: Stream) -> None:
+        self.stack = stack
+        self.cfg = cfg
+        self.stream = stream
+
+    def run(
+        self, system: str, rate: float, duration: float, load: float | None = None
+    ) -> dict[str, Any]:
+        cfg = self.cfg
+        load = rate / cfg.capacity_rps if load is None else load
+        row: dict[str, Any] = {"system": system, "load": round(load, 4), "rate": round(rate, 3)}
+        items, warmup = self.stream.window(rate, duration)
+        self.stream.arrivals(items)  # completion_ids: the segments get their token ids
+        try:
+            row.update(self._run_one(system, items, warmup, duration, f"{system} @ {load:.0%}"))
+        except (PeerNotInstalled, PeerUnsupported) as exc:
+            row.update(error=str(exc), missing=str(exc))
+        except (OSError, TimeoutError, RuntimeError, ValueError) as exc:
+            # one system failing (a peer that will not start, workers that will not drain)
+            # must not cost the runs already done or the systems after it
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        return row
+
+    def tune_smg(self) -> dict[str, Any]:
+        cfg = self.cfg
+        rate = cfg.tune_load * cfg.capacity_rps
+        rows = []
+        for variant in cfg.smg_variants:
+            row = self.run(variant, rate, cfg.duration, load=cfg.tune_load)
+            if cfg.progress:
+                print("tune " + _row_line(row), flush=True)
+            rows.append(row)
+        best = pick_best(rows)
+        return {
+            "load": cfg.tune_load,
+            "rate": round(rate, 3),
+            "criterion": BEST_DEFINITION,
+            "best": None if best is None else best["system"],
+            "results": rows,
+        }
+
+    def capacity_at_slo(self, system: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        cfg = self.cfg
+        done = [r for r in rows if "error" not in r]
+        if not done:
+            return {"capacity_at_slo_rps": None, "error": rows[0].get("error") if rows else None}
+        duration = cfg.slo_probe_duration or cfg.duration
+
+        def probe(rate: float) -> tuple[bool, dict[str, Any]]:
+            if not self.stream.covers(rate, duration):
+                return False, {"exhausted": True}  # a burst, not a load level
+            row = self.run(system, rate, duration)
+            if cfg.progress:
+                print("slo  " + _row_line(row), flush=True)
+            if "error" in row:
+                return False, {"error": row["error"]}
+            return bool(row["slo_ok"]), _probe_detail(row)
+
+        known = [(r["rate"], bool(r["slo_ok"])) for r in done]
+        found = search_max_rate(
+            probe,
+            known=known,
+            start=done[0]["rate"],
+            max_probes=cfg.slo_probes,
+            rel_tol=cfg.slo_rel_tol,
+            grow=1.5,
+        )
+        sweep = [{"rate": r["rate"], "ok": r["slo_ok"], **_probe_detail(r)} for r in done]
+        return {
+            "capacity_at_slo_rps": found.rate,
+            "fraction_of_capacity": round(found.rate / cfg.capacity_rps, 4),
+            "censored": found.censored,
+            "slo_ttft_ms": cfg.slo_ttft_ms,
+            "probes": sweep + found.probes,
+        }
+
+    def _run_one(
+        self, system: str, items: list[WorkItem], warmup: float, duration: float, label: str
+    ) -> dict[str, Any]:
+        stack, cfg = self.stack, self.cfg
+        peers: list[Peer] = []
+        urls: list[str] = []
+        if is_peer(system):
+            spec = peer_spec(system)
+            if cfg.mode == "completion_ids" and not spec.token_ids:
+                raise PeerUnsupported(
+                    f"{system}: its /v1/completions takes text prompts only, and this workload "
+                    "is sent as token ids (traces: trace_prompts: text includes it)"
+                )
+            _reset_workers(stack)
+            pool = pool_from_stack(stack)
+            for g in range(cfg.replicas):
+                peer = launch(
+                    spec,
+                    pool,
+                    stack.log_dir,
+                    label=f"{system}-{g}",
+                    extra_args=cfg.peer_args.get(system, ()),
+                )
+                stack.add_process(peer.proc)
+                peers.append(peer)
+                urls.append(peer.url)
+            try:
+                for peer in peers:
+                    peer.wait_ready()
+            except BaseException:
+                _stop_peers(stack, peers)
+                raise
+        else:
+            _, _, policy = system.partition("-")
+            stack.config.policy = policy or "ttft"
+            for g in range(cfg.replicas):
+                if g < len(stack.gateways):
+                    stack.restart_gateway(g)
+                else:
+                    stack.start_gateway(g)
+            stack.wait_ready()
+            urls = stack.gateway_urls[: cfg.replicas]
+            _reset_workers(stack)
+        try:
+            snap: dict[str, dict[str, dict[str, float]]] = {}
+            timer = threading.Timer(
+                warmup, lambda: snap.setdefault("at_warmup", scrape_workers(stack.worker_urls))
+            )
+            dcfg = DriverConfig(
+                base_url=urls[0],
+                model=stack.config.model,
+                mode=cfg.mode,  # type: ignore[arg-type]
+                max_duration=warmup + duration,
+                drain_timeout=max(60.0, duration),
+                slo_ttft_ms=cfg.slo_ttft_ms,
+                progress=cfg.progress,
+                label=label,
+            )
+            timer.start()
+            try:
+                result = asyncio.run(run_load(items, dcfg, base_urls=urls))
+            finally:
+                timer.cancel()
+            before = snap.get("at_warmup") or scrape_workers(stack.worker_urls)
+            per_worker = _delta(scrape_workers(stack.worker_urls), before)
+        finally:
+            _stop_peers(stack, peers)
+        measured = [
+            r
+            for r in result.records
+            if r.scheduled >= warmup and r.error != "not sent: beyond max_duration"
+        ]
+        s = summarize(measured, duration, cfg.slo_ttft_ms)
+        bal = balance(
+            {w: v["requests"] for w, v in per_worker.items()},
+            {w: v["prompt_tokens"] for w, v in per_worker.items()},
+        )
+        engine_prompt = sum(v["prompt_tokens"] for v in per_worker.values())
+        engine_cached = sum(v["cached_tokens"] for v in per_worker.values())
+        ttfts = sorted(round(r.ttft * 1000, 2) for r in measured if r.ok and r.ttft is not None)
+        p90 = p90_with_failures(ttfts, s["failed"])
+        return {
+            "hit_rate": s["hit_rate"],
+            "engine_hit_rate": round(engine_cached / engine_prompt, 4) if engine_prompt else 0.0,
+            "ttft_p50_ms": s["ttft_p50_ms"],
+            "ttft_p90_ms": s["ttft_p90_ms"],
+            "ttft_p99_ms": s["ttft_p99_ms"],
+            "ttft_mean_ms": s["ttft_mean_ms"],
+            "e2e_p50_ms": s["e2e_p50_ms"],
+            "itl_p50_ms": s["itl_p50_ms"],
+            "goodput": s["goodput"],
+            "throughput_rps": s["throughput_rps"],
+            "requests": s["requests"],
+            "failed": s["failed"],
+            "errors": s["errors"],  # why they failed (e.g. "cancelled at the end of the run")
+            "slo_ok": p90 <= cfg.slo_ttft_ms,
+            "max_mean_load": bal["max_mean_requests"],
+            "max_mean_tokens": bal["max_mean_tokens"],
+            "per_worker": per_worker,
+            "warmup_s": round(warmup, 1),
+            "ttfts_ms": ttfts,
+        }
+
+
+def _probe_detail(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: row.get(k) for k in ("ttft_p90_ms", "goodput", "requests", "failed")}
+
+
+def _stop_peers(stack: Stack, peers: list[Peer]) -> None:
+    for peer in peers:
+        peer.stop()
+        if peer.proc in stack.extra:
+            stack.extra.remove(peer.proc)
+
+
 def _write_report(report: dict[str, Any], out: Path) -> None:
-    (out / "compare.json").write_text(json.dumps(report, indent=2))
+    (out / "compare.json").write_text(json.dumps(report, indent=2, default=_json_default))
     (out / "compare.md").write_text(markdown(report))
 
 
-def _window(
-    items: list[WorkItem], rate: float, duration: float, sessions_ramp: bool = True
-) -> tuple[list[WorkItem], float]:
-    """Retime ``items`` so the steady-state request rate is ``rate``; returns (items, warmup).
-
-    With ``sessions_ramp`` (conversations, agents), sessions start as a Poisson stream and
-    then issue their turns over time, so a run starting from nothing ramps up: the first
-    requests all come from young sessions. Everything is sent from t=0, but only requests
-    scheduled after the warm-up (the median session span) are measured, over ``duration``
-    seconds. Without it (independent requests: shared-prefix groups, traces) the stream's
-    own mean rate is scaled to ``rate`` and there is no warm-up.
-    """
-    if len(items) < 2:
-        return items, 0.0
-    if sessions_ramp:
-        first: dict[str, float] = {}
-        last: dict[str, float] = {}
-        for it in items:
-            first.setdefault(it.session, it.at)
-            last[it.session] = it.at
-        starts = sorted(first.values())
-        span = starts[-1] - starts[0]
-        steady = (len(starts) - 1) / span * (len(items) / len(starts)) if span > 0 else 0.0
-        spans = sorted(last[s] - first[s] for s in first)
-    else:
-        span = items[-1].at - items[0].at
-        steady = (len(items) - 1) / span if span > 0 else 0.0
-        spans = [0.0]
-    if steady <= 0:
-        raise ValueError("the workload's arrivals span no time: cannot retime it to a rate")
-    factor = steady / rate
-    warmup = spans[len(spans) // 2] * factor
-    out = [
-        WorkItem(it.index, it.at * factor, it.session, it.segments, it.max_tokens)
-        for it in items
-        if it.at * factor <= warmup + duration
-    ]
-    return out, warmup
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, float | np.floating):
+        return None if not math.isfinite(float(obj)) else float(obj)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return str(obj)
 
 
 #: engine gauges of requests still in a worker (vLLM and SGLang names)
@@ -262,106 +988,18 @@ def _reset_workers(stack: Stack, timeout: float = 300.0) -> None:
             raise TimeoutError("gateway index not cleared after resetting the workers' caches")
 
 
-def _run_one(
-    stack: Stack, cfg: CompareConfig, system: str, items: list[WorkItem], warmup: float, label: str
-) -> dict[str, Any]:
-    kind, _, policy = system.partition("-")
-    routers: list[ChildProcess] = []
-    urls: list[str] = []
-    if kind == "kvroute":
-        stack.config.policy = policy or "ttft"
-        for g in range(cfg.replicas):
-            if g < len(stack.gateways):
-                stack.restart_gateway(g)
-            else:
-                stack.start_gateway(g)
-        stack.wait_ready()
-        urls = stack.gateway_urls[: cfg.replicas]
-        _reset_workers(stack)
-    elif kind == "sglang":
-        _reset_workers(stack)
-        for g in range(cfg.replicas):
-            proc, url = sglang_router(
-                stack.worker_urls,
-                policy or "cache_aware",
-                stack.log_dir,
-                name=f"sglang-{policy}-{g}",
-            )
-            routers.append(stack.add_process(proc))
-            urls.append(url)
-        for proc, url in zip(routers, urls, strict=True):
-            wait_router_ready(proc, url, len(stack.worker_urls))
-    else:
-        raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
-    try:
-        snap: dict[str, dict[str, dict[str, float]]] = {}
-        timer = threading.Timer(
-            warmup, lambda: snap.setdefault("at_warmup", scrape_workers(stack.worker_urls))
-        )
-        dcfg = DriverConfig(
-            base_url=urls[0],
-            model=stack.config.model,
-            mode=cfg.mode,  # type: ignore[arg-type]
-            max_duration=warmup + cfg.duration,
-            drain_timeout=max(60.0, cfg.duration),
-            slo_ttft_ms=cfg.slo_ttft_ms,
-            progress=cfg.progress,
-            label=label,
-        )
-        timer.start()
-        try:
-            result = asyncio.run(run_load(items, dcfg, base_urls=urls))
-        finally:
-            timer.cancel()
-        before = snap.get("at_warmup") or scrape_workers(stack.worker_urls)
-        per_worker = _delta(scrape_workers(stack.worker_urls), before)
-    finally:
-        for proc in routers:
-            proc.stop()
-            stack.extra.remove(proc)
-    measured = [
-        r
-        for r in result.records
-        if r.scheduled >= warmup and r.error != "not sent: beyond max_duration"
-    ]
-    s = summarize(measured, cfg.duration, cfg.slo_ttft_ms)
-    bal = balance(
-        {w: v["requests"] for w, v in per_worker.items()},
-        {w: v["prompt_tokens"] for w, v in per_worker.items()},
-    )
-    engine_prompt = sum(v["prompt_tokens"] for v in per_worker.values())
-    engine_cached = sum(v["cached_tokens"] for v in per_worker.values())
-    return {
-        "hit_rate": s["hit_rate"],
-        "engine_hit_rate": round(engine_cached / engine_prompt, 4) if engine_prompt else 0.0,
-        "ttft_p50_ms": s["ttft_p50_ms"],
-        "ttft_p99_ms": s["ttft_p99_ms"],
-        "ttft_mean_ms": s["ttft_mean_ms"],
-        "e2e_p50_ms": s["e2e_p50_ms"],
-        "itl_p50_ms": s["itl_p50_ms"],
-        "goodput": s["goodput"],
-        "throughput_rps": s["throughput_rps"],
-        "requests": s["requests"],
-        "failed": s["failed"],
-        "max_mean_load": bal["max_mean_requests"],
-        "max_mean_tokens": bal["max_mean_tokens"],
-        "per_worker": per_worker,
-        "warmup_s": round(warmup, 1),
-        "ttfts_ms": sorted(
-            round(r.ttft * 1000, 2) for r in measured if r.ok and r.ttft is not None
-        ),
-    }
+# -- output -----------------------------------------------------------------------------------
 
 
 def _row_line(r: dict[str, Any]) -> str:
     if "error" in r:
         return (
-            f"{r['system']:<22} load {r['load']:.2f} rate {r['rate']:7.2f}/s  FAILED: {r['error']}"
+            f"{r['system']:<26} load {r['load']:.2f} rate {r['rate']:7.2f}/s  FAILED: {r['error']}"
         )
     return (
-        f"{r['system']:<22} load {r['load']:.2f} rate {r['rate']:7.2f}/s  hit {r['hit_rate']:.3f}  "
-        f"ttft p50 {r['ttft_p50_ms']} p99 {r['ttft_p99_ms']} ms  goodput {r['goodput']:.3f}  "
-        f"max/mean {r['max_mean_load']}  failed {r['failed']}"
+        f"{r['system']:<26} load {r['load']:.2f} rate {r['rate']:7.2f}/s  hit {r['hit_rate']:.3f}  "
+        f"ttft p50 {r['ttft_p50_ms']} p90 {r['ttft_p90_ms']} p99 {r['ttft_p99_ms']} ms  "
+        f"goodput {r['goodput']:.3f}  max/mean {r['max_mean_load']}  failed {r['failed']}"
     )
 
 
@@ -371,7 +1009,9 @@ COLUMNS = {
     "load": "load",
     "rate (req/s)": "rate",
     "hit rate": "hit_rate",
+    "bound": "bound_hit_rate",
     "TTFT p50 (ms)": "ttft_p50_ms",
+    "TTFT p90 (ms)": "ttft_p90_ms",
     "TTFT p99 (ms)": "ttft_p99_ms",
     "goodput": "goodput",
     "max/mean load": "max_mean_load",
@@ -380,12 +1020,56 @@ COLUMNS = {
 
 
 def markdown(report: dict[str, Any]) -> str:
-    rows = [
-        {col: r.get(key, "") for col, key in COLUMNS.items()}
-        | ({"failed": f"run failed: {r['error']}"} if "error" in r else {})
-        for r in report["results"]
-    ]
+    def cells(r: dict[str, Any]) -> dict[str, Any]:
+        row = {col: r.get(key, "") for col, key in COLUMNS.items()}
+        if "error" in r:
+            row["failed"] = f"run failed: {r['error']}"
+        return row
+
     head = f"Workload: `{json.dumps(report['workload'])}`\n\n"
-    if report.get("bound_hit_rate") is not None:
-        head += f"Pooled-cache bound on the hit rate: **{report['bound_hit_rate']:.3f}**\n\n"
-    return head + format_table(rows, markdown=True) + "\n"
+    cap = report.get("capacity_rps")
+    if cap:
+        head += f"Load 1.0 = **{cap:g} req/s**"
+        if (report.get("offline_reference") or {}).get("basis") == "pooled":
+            head += (
+                ": the policy-neutral capacity, that of the pooled-cache cluster (one worker "
+                "with all the cluster's KV and compute, no routing)"
+            )
+        head += ".\n\n"
+    if report.get("bound_by_load"):
+        bounds = ", ".join(f"{k}: {v:.3f}" for k, v in report["bound_by_load"].items())
+        head += f"Pooled-cache bound on the hit rate of each run's measured window: {bounds}\n\n"
+    text = head + format_table([cells(r) for r in report["results"]], markdown=True) + "\n"
+    slo = report.get("capacity_at_slo") or {}
+    if slo:
+        rows = []
+        for system, c in slo.items():
+            rate = c.get("capacity_at_slo_rps")
+            if rate is None:
+                shown = f"run failed: {c.get('error')}"
+            elif c.get("censored") == "below":
+                shown = f"< {min(p['rate'] for p in c['probes']):g}"
+            else:
+                shown = ("≥ " if c.get("censored") == "above" else "") + f"{rate:g}"
+            rows.append(
+                {
+                    "system": system,
+                    "capacity at SLO (req/s)": shown,
+                    "fraction of load 1.0": c.get("fraction_of_capacity", ""),
+                    "runs": len(c.get("probes", [])),
+                }
+            )
+        any_slo = next(iter(slo.values())).get("slo_ttft_ms", "")
+        text += f"\nCapacity at SLO (p90 TTFT ≤ {any_slo} ms):\n\n"
+        text += format_table(rows, markdown=True) + "\n"
+    tuning = report.get("smg_tuning")
+    if tuning:
+        rows = [cells(r) for r in tuning["results"]]
+        text += f"\nsmg settings at load {tuning['load']} (best: **{tuning['best']}**):\n\n"
+        text += format_table(rows, markdown=True) + "\n"
+    notes = report.get("notes") or {}
+    if notes:
+        text += "\n" + "\n".join(f"* `{s}`: {n}" for s, n in notes.items()) + "\n"
+    if any(PEERS[s].historical for s in notes if s in PEERS):
+        text += f"\nHistorical rows: {HISTORICAL_NOTE}.\n"
+    return text

@@ -53,6 +53,7 @@ def demo_config(args: argparse.Namespace) -> CompareConfig:
         speedup=1.0,
         duration=args.duration,
         slo_ttft_ms=1000.0,
+        slo_probes=0,  # capacity at SLO from the run itself: no extra runs in the demo
         out_dir=args.out_dir,
     )
 

@@ -1,81 +1,512 @@
 """Peer routers run side by side with kvroute on the same sim workers (the bench extra).
 
-``sglang-router`` (Rust, PyPI ``sglang-router``) is started with ``launch --worker-urls ...
---policy cache_aware|round_robin|power_of_two``; it probes the workers' ``/health`` and
-``/server_info``, which the engine simulator answers.
+Every peer is its own process on loopback, launched here behind one small interface::
+
+    pool = Pool(worker_urls, model, tokenizer_json, block_size, event_sources)
+    with launch("smg-cache_aware", pool, log_dir) as peer:   # started and ready
+        url = peer.url                                          # OpenAI-compatible endpoint
+
+A peer system is a name from ``PEERS`` (``<kind>-<setting>``); ``peer_spec`` resolves it. The
+kinds, one class each:
+
+* ``smg`` 1.13+ (PyPI ``smg``, the SGLang model gateway): ``python -m smg launch`` (the
+  module form: ``sglang-router`` 0.3.2 installs an ``smg`` script of its own). Ready when
+  ``GET /readiness`` says every worker is healthy (``/health`` is 200 with no worker at all).
+  ``cache_aware`` gets the pool's ``tokenizer.json`` and its L0/L1 tokenizer caches, its best
+  configuration for HTTP workers (in HTTP mode it still matches request text, not tokens).
+* ``vllm-router`` 0.1.17+ (PyPI ``vllm-router``): it opens its port only once every worker
+  answers ``/health``; ready when ``GET /list_workers`` lists them all. ``kv_aware`` is
+  given each worker's ZMQ KV-event and replay endpoints (``--kv-event-source URL=tcp://...``),
+  the engines' block size and the model name: it indexes the engines' own events, the same
+  information as kvroute, and tokenizes through the workers' ``/v1/chat/completions/render``
+  and ``/tokenize``.
+* ``sglang-router`` 0.3.2 (PyPI ``sglang-router``): history only. Measured here, a streamed
+  request's time to first token grows by a constant ~42-45 ms through it whatever the prompt
+  size (non-streamed ~1 ms): a stall in its streaming path, not routing work. Never a
+  reference for a target.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import json
 import shutil
 import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from loadtest.harness import ChildProcess, HarnessError, free_port, wait_for_port
+from loadtest.harness import ChildProcess, HarnessError, free_ports
 
-__all__ = ["sglang_router", "sglang_router_binary"]
+if TYPE_CHECKING:
+    from loadtest.stack import Stack
+
+__all__ = [
+    "HISTORICAL_NOTE",
+    "PEERS",
+    "SMG_TUNING",
+    "Peer",
+    "PeerNotInstalled",
+    "PeerSpec",
+    "PeerUnsupported",
+    "Pool",
+    "SglangRouterPeer",
+    "SmgPeer",
+    "VllmRouterPeer",
+    "is_peer",
+    "launch",
+    "peer_spec",
+    "pool_from_stack",
+    "sglang_router",
+    "sglang_router_binary",
+    "wait_router_ready",
+]
+
+BENCH_EXTRA = "pip install 'kvroute[bench]' (scripts/setup installs it)"
+HISTORICAL_NOTE = (
+    "sglang-router 0.3.2 (historical): a streamed request's TTFT grows by a constant ~42-45 ms "
+    "through it (a stall in its streaming path); never a reference for a target"
+)
+
+
+class PeerNotInstalled(HarnessError):
+    """The peer's package is missing from this environment (the bench extra)."""
+
+
+class PeerUnsupported(HarnessError):
+    """The peer cannot take this workload as it is sent (e.g. token-id prompts to smg)."""
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """One peer system: which router, which policy, which extra flags."""
+
+    name: str  # the system name in reports, e.g. "smg-cache_aware"
+    kind: str  # "smg" | "vllm-router" | "sglang-router"
+    policy: str
+    args: tuple[str, ...] = ()
+    #: smg: route with the pool's tokenizer.json (and its L0/L1 caches)
+    tokenizer: bool = False
+    #: vllm-router: subscribe to every worker's KV events (static sources)
+    kv_events: bool = False
+    #: takes token-id prompts (``/v1/completions`` with a list of ids); smg's and
+    #: sglang-router's OpenAI routes take text only
+    token_ids: bool = False
+    note: str = ""
+
+    @property
+    def historical(self) -> bool:
+        return self.kind == "sglang-router"
+
+
+def _smg(name: str, policy: str, *args: str, tokenizer: bool = True, note: str = "") -> PeerSpec:
+    return PeerSpec(name, "smg", policy, args, tokenizer=tokenizer, note=note)
+
+
+PEERS: dict[str, PeerSpec] = {
+    s.name: s
+    for s in (
+        _smg("smg-cache_aware", "cache_aware", note="smg's best HTTP configuration"),
+        _smg("smg-cache_aware-notok", "cache_aware", tokenizer=False, note="without tokenizer"),
+        # smg docs, "Tuning guidelines": a low cache threshold (0.1-0.2) for conversational
+        # workloads; lower balance thresholds for bursty traffic
+        _smg(
+            "smg-cache_aware-affinity",
+            "cache_aware",
+            "--cache-threshold",
+            "0.1",
+            note="docs: cache threshold 0.1 (conversational workloads)",
+        ),
+        _smg(
+            "smg-cache_aware-spill",
+            "cache_aware",
+            "--balance-abs-threshold",
+            "8",
+            "--balance-rel-threshold",
+            "1.25",
+            note="docs: lower balance thresholds (bursty traffic)",
+        ),
+        _smg("smg-prefix_hash", "prefix_hash"),
+        _smg("smg-power_of_two", "power_of_two", tokenizer=False),
+        _smg("smg-least_load", "least_load", tokenizer=False),
+        _smg("smg-round_robin", "round_robin", tokenizer=False, note="load-blind baseline"),
+        PeerSpec(
+            "vllm-router-kv_aware",
+            "vllm-router",
+            "kv_aware",
+            kv_events=True,
+            token_ids=True,
+            note="indexes the engines' KV events (static per-worker sources)",
+        ),
+        PeerSpec("vllm-router-cache_aware", "vllm-router", "cache_aware", token_ids=True),
+        PeerSpec(
+            "vllm-router-round_robin",
+            "vllm-router",
+            "round_robin",
+            token_ids=True,
+            note="load-blind baseline",
+        ),
+        PeerSpec(
+            "sglang-router-cache_aware-historical",
+            "sglang-router",
+            "cache_aware",
+            note=HISTORICAL_NOTE,
+        ),
+        PeerSpec(
+            "sglang-router-round_robin-historical",
+            "sglang-router",
+            "round_robin",
+            note=HISTORICAL_NOTE,
+        ),
+    )
+}
+
+#: smg settings tried for "smg at its best" (round robin is the floor, not a candidate)
+SMG_TUNING = (
+    "smg-cache_aware",
+    "smg-cache_aware-notok",
+    "smg-cache_aware-affinity",
+    "smg-cache_aware-spill",
+    "smg-prefix_hash",
+    "smg-power_of_two",
+    "smg-least_load",
+)
+
+
+def is_peer(system: str) -> bool:
+    return system in PEERS
+
+
+def peer_spec(system: str) -> PeerSpec:
+    try:
+        return PEERS[system]
+    except KeyError:
+        raise ValueError(f"unknown peer {system!r}; known: {', '.join(PEERS)}") from None
+
+
+@dataclass
+class Pool:
+    """What a peer needs to know about the workers it fronts."""
+
+    worker_urls: list[str]
+    model: str
+    tokenizer: str  # the model's tokenizer.json
+    block_size: int  # the engines' KV block size
+    #: per worker: (KV events endpoint, replay endpoint), e.g. "tcp://127.0.0.1:5557"
+    event_sources: list[tuple[str, str | None]] = field(default_factory=list)
+
+
+class Peer:
+    """A peer router process: ``start``, ``wait_ready``, ``url``, ``stop`` (also a context
+    manager that starts it and waits until it is ready)."""
+
+    kind: ClassVar[str] = ""
+    package: ClassVar[str] = ""  # PyPI distribution
+    min_version: ClassVar[tuple[int, ...]] = ()
+
+    def __init__(
+        self,
+        spec: PeerSpec,
+        pool: Pool,
+        log_dir: Path,
+        label: str = "",
+        extra_args: tuple[str, ...] | list[str] = (),
+    ) -> None:
+        self.spec = spec
+        self.pool = pool
+        self.port, self.metrics_port = free_ports(2)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [*self.command(), *spec.args, *extra_args]
+        self.proc = ChildProcess(self.args, label or spec.name, log_dir)
+
+    # -- per kind ---------------------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        """One readiness probe (True: serves requests and knows every worker)."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_installed(cls) -> None:
+        """Raise ``PeerNotInstalled`` naming the bench extra when the package is missing or
+        older than ``min_version``."""
+        try:
+            version = importlib.metadata.version(cls.package)
+        except importlib.metadata.PackageNotFoundError:
+            raise PeerNotInstalled(
+                f"{cls.kind}: the {cls.package} package is not installed ({BENCH_EXTRA})"
+            ) from None
+        if _version_tuple(version) < cls.min_version:
+            want = ".".join(map(str, cls.min_version))
+            raise PeerNotInstalled(
+                f"{cls.kind}: {cls.package} {version} is installed, {want} or newer is needed "
+                f"({BENCH_EXTRA})"
+            )
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.proc.name
+
+    def start(self) -> Peer:
+        self.proc.start()
+        return self
+
+    def alive(self) -> bool:
+        return self.proc.alive()
+
+    def wait_ready(self, timeout: float = 60.0) -> float:
+        """Poll ``ready()`` until it holds (seconds waited); fails fast if the process dies."""
+        t0 = time.monotonic()
+        while True:
+            if not self.proc.alive():
+                raise HarnessError(f"{self.name} exited:\n{self.proc.tail()}")
+            try:
+                if self.ready():
+                    return time.monotonic() - t0
+            except (urllib.error.URLError, OSError, ValueError):
+                pass  # not listening yet, or an answer that is not JSON
+            if time.monotonic() - t0 > timeout:
+                raise HarnessError(f"{self.name} not ready in {timeout:g}s:\n{self.proc.tail()}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.stop(timeout=10.0)
+
+    def tail(self, lines: int = 40) -> str:
+        return self.proc.tail(lines)
+
+    def __enter__(self) -> Peer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _get_json(self, path: str) -> Any:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=2) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:  # 503 bodies are JSON too
+            return json.loads(exc.read() or b"null")
+
+
+class SmgPeer(Peer):
+    """``smg launch`` (the SGLang model gateway 1.13+)."""
+
+    kind = "smg"
+    package = "smg"
+    min_version = (1, 13)
+
+    def command(self) -> list[str]:
+        s, p = self.spec, self.pool
+        args = [
+            sys.executable, "-m", "smg", "launch",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+            "--policy", s.policy, "--worker-urls", *p.worker_urls,
+            "--shutdown-grace-period-secs", "2", "--worker-startup-check-interval", "1",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        if s.tokenizer:
+            args += [
+                "--tokenizer-path", p.tokenizer,
+                "--tokenizer-cache-enable-l0", "--tokenizer-cache-enable-l1",
+            ]  # fmt: skip
+        return args
+
+    def ready(self) -> bool:
+        body = self._get_json("/readiness")
+        n = len(self.pool.worker_urls)
+        return (
+            isinstance(body, dict)
+            and body.get("status") == "ready"
+            and body.get("healthy_workers") == n
+            and body.get("total_workers") == n
+        )
+
+
+class VllmRouterPeer(Peer):
+    """``vllm-router`` 0.1.17+ (kv_aware: the engines' own KV events)."""
+
+    kind = "vllm-router"
+    package = "vllm-router"
+    min_version = (0, 1, 17)
+
+    def command(self) -> list[str]:
+        s, p = self.spec, self.pool
+        args = [
+            _binary("vllm-router", "vllm_router.launch_router"),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+            "--policy", s.policy, "--worker-urls", *p.worker_urls,
+            "--worker-startup-check-interval", "1", "--log-level", "warning",
+        ]  # fmt: skip
+        if s.kv_events:
+            if len(p.event_sources) != len(p.worker_urls):
+                raise HarnessError(f"{s.name} needs every worker's KV event endpoints")
+            for url, (events, replay) in zip(p.worker_urls, p.event_sources, strict=True):
+                args += ["--kv-event-source", f"{url}={events}"]
+                if replay:
+                    args += ["--kv-event-replay-source", f"{url}={replay}"]
+            args += ["--kv-event-block-size", str(p.block_size), "--kv-event-model", p.model]
+        return args
+
+    def ready(self) -> bool:
+        body = self._get_json("/list_workers")
+        urls = body.get("urls") if isinstance(body, dict) else None
+        return isinstance(urls, list) and set(urls) == set(self.pool.worker_urls)
+
+
+class SglangRouterPeer(Peer):
+    """``sglang-router launch`` 0.3.2 (historical row only; see the module docstring)."""
+
+    kind = "sglang-router"
+    package = "sglang-router"
+    min_version = (0, 3)
+
+    def command(self) -> list[str]:
+        s, p = self.spec, self.pool
+        return [
+            _binary("sglang-router", "sglang_router.launch_router"), "launch",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+            "--policy", s.policy, "--log-level", "warn", "--worker-urls", *p.worker_urls,
+        ]  # fmt: skip
+
+    def ready(self) -> bool:
+        with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+            if resp.status != 200:
+                return False
+        body = self._get_json("/workers")
+        workers = body.get("workers") if isinstance(body, dict) else None
+        return isinstance(workers, list) and len(workers) >= len(self.pool.worker_urls)
+
+
+KINDS: dict[str, type[Peer]] = {
+    "smg": SmgPeer,
+    "vllm-router": VllmRouterPeer,
+    "sglang-router": SglangRouterPeer,
+}
+
+
+def launch(
+    system: str | PeerSpec,
+    pool: Pool,
+    log_dir: Path,
+    *,
+    label: str = "",
+    extra_args: tuple[str, ...] | list[str] = (),
+) -> Peer:
+    """A peer of ``system`` for ``pool``, checked installed but not yet started (``start`` +
+    ``wait_ready``, or use it as a context manager)."""
+    spec = system if isinstance(system, PeerSpec) else peer_spec(system)
+    cls = KINDS[spec.kind]
+    cls.check_installed()
+    return cls(spec, pool, log_dir, label=label, extra_args=extra_args)
+
+
+def pool_from_stack(stack: Stack) -> Pool:
+    """The pool of a running ``loadtest.stack.Stack``: its sim workers, model, tokenizer,
+    block size and each worker's KV event endpoints (from the simulator's admin API)."""
+    states = stack.sim_state()
+    sources = [(str(w["events_endpoint"]), w.get("replay_endpoint")) for w in states]
+    return Pool(
+        list(stack.worker_urls),
+        stack.config.model,
+        stack.tokenizer_path(),
+        stack.config.block_size,
+        sources if all(e for e, _ in sources) else [],
+    )
+
+
+# -- the historical sglang-router helpers (kept for ``kvroute bench gateway``) ------------------
 
 
 def sglang_router_binary() -> str:
     """Path of the ``sglang-router`` command (next to this interpreter first)."""
-    local = Path(sys.executable).with_name("sglang-router")
-    if local.exists():
-        return str(local)
-    found = shutil.which("sglang-router")
-    if found is None:
-        raise HarnessError("sglang-router is not installed (pip install 'kvroute[bench]')")
-    return found
+    return _binary("sglang-router", "sglang_router")
 
 
 def sglang_router(
     worker_urls: list[str], policy: str, log_dir: Path, name: str = ""
 ) -> tuple[ChildProcess, str]:
-    """A started sglang-router process (not yet waited for) and its base URL."""
-    port, metrics = free_port(), free_port()
-    args = [
-        sglang_router_binary(), "launch", "--host", "127.0.0.1", "--port", str(port),
-        "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
-        "--log-level", "warn", "--worker-urls", *worker_urls,
-    ]  # fmt: skip
-    return ChildProcess(args, name or f"sglang-{policy}", log_dir), f"http://127.0.0.1:{port}"
+    """A started-later sglang-router 0.3.2 process and its base URL (historical peer)."""
+    pool = Pool(list(worker_urls), "", "", 16)
+    spec = PeerSpec(f"sglang-router-{policy}", "sglang-router", policy)
+    peer = SglangRouterPeer(spec, pool, log_dir, label=name or f"sglang-{policy}")
+    return peer.proc, peer.url
 
 
 def wait_router_ready(proc: ChildProcess, url: str, workers: int, timeout: float = 60.0) -> None:
-    """Until the router listens and has every worker in its pool."""
-    port = int(url.rsplit(":", 1)[1])
-    wait_for_port(port, timeout=timeout)
+    """Until the router at ``url`` (started as ``proc``) listens and knows ``workers`` workers
+    (``/readiness``, ``/list_workers`` or ``/workers``, whichever it serves)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not proc.alive():
             raise HarnessError(f"{proc.name} exited:\n{proc.tail()}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200 and _workers_known(url) >= workers:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
+        if _workers_known(url) >= workers:
+            return
+        time.sleep(0.05)
     raise HarnessError(f"{proc.name} not ready in {timeout}s:\n{proc.tail()}")
 
 
 def _workers_known(url: str) -> int:
-    import json
-
-    for path in ("/workers", "/list_workers"):
+    for path in ("/readiness", "/list_workers", "/workers"):
         try:
             with urllib.request.urlopen(url + path, timeout=2) as resp:
                 data = json.loads(resp.read())
-        except (urllib.error.URLError, OSError, ValueError):
+        except urllib.error.HTTPError as exc:
+            if exc.code == 503:
+                return 0
             continue
+        except (urllib.error.URLError, OSError, ValueError):
+            return 0
         if isinstance(data, dict):
+            if isinstance(data.get("healthy_workers"), int):
+                return int(data["healthy_workers"])
             for key in ("workers", "urls"):
                 if isinstance(data.get(key), list):
                     return len(data[key])
-            if isinstance(data.get("total"), int):
-                return int(data["total"])
-        if isinstance(data, list):
-            return len(data)
-    return 10**9  # cannot tell: health is all we have
+    return 0
+
+
+def _binary(script: str, module: str) -> str:
+    """The console script next to this interpreter, else on PATH."""
+    local = Path(sys.executable).with_name(script)
+    if local.exists():
+        return str(local)
+    found = shutil.which(script)
+    if found is None:
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            raise PeerNotInstalled(f"{script} is not installed ({BENCH_EXTRA})")
+        raise PeerNotInstalled(
+            f"{script}: its command is missing from {Path(sys.executable).parent}"
+        )
+    return found
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    out = []
+    for part in version.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+        if not part.isdigit():
+            break
+    return tuple(out)

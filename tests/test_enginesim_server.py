@@ -347,9 +347,12 @@ async def test_vllm_metrics_and_endpoints(zctx: zmq.asyncio.Context) -> None:
         async with s.get(w.http_url + "/ping") as r:
             assert r.status == 200
         async with s.get(w.http_url + "/kv_event_sources") as r:
-            (src,) = await r.json()
-        assert src == {"data_parallel_rank": 0, "endpoint": w.events_endpoint,
-                       "replay_endpoint": w.replay_endpoint, "topic": ""}  # fmt: skip
+            src = (await r.json())["0"]  # vLLM 0.32+: keyed by rank
+        assert (src["endpoint"], src["replay_endpoint"], src["topic"]) == (
+            w.events_endpoint, w.replay_endpoint, ""
+        )  # fmt: skip
+        assert src["encoding"] == "msgpack" and src["schema_version"] == 1
+        assert src["enable_kv_cache_events"] is True
         # a long request keeps the engine busy: the reset is refused
         body = {"prompt": [9] * 20, "max_tokens": 2000, "stream": True}
         async with s.post(w.http_url + "/v1/completions", json=body) as stream:

@@ -19,6 +19,7 @@ import numpy as np
 __all__ = [
     "ApiError",
     "GenRequest",
+    "check_model",
     "check_prompt",
     "decode_body",
     "error_body",
@@ -86,7 +87,7 @@ def decode_body(raw: bytes) -> dict[str, Any]:
 
 def parse_completion(body: dict[str, Any], models: set[str], default_max_tokens: int) -> GenRequest:
     """``/v1/completions``: prompt as text or token ids (or a batch of exactly one)."""
-    _check_model(body, models)
+    check_model(body, models)
     _check_common(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):
@@ -108,7 +109,7 @@ def parse_completion(body: dict[str, Any], models: set[str], default_max_tokens:
 
 def parse_chat(body: dict[str, Any], models: set[str], default_max_tokens: int) -> GenRequest:
     """``/v1/chat/completions``: messages to render with the chat template."""
-    _check_model(body, models)
+    check_model(body, models)
     _check_common(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -180,7 +181,8 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_model(body: dict[str, Any], models: set[str]) -> None:
+def check_model(body: dict[str, Any], models: set[str]) -> None:
+    """``model``, when given, must be a served model's name (404 otherwise, as vLLM)."""
     model = body.get("model")
     if model is None:
         return

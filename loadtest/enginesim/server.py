@@ -4,7 +4,10 @@ Both flavors: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or no
 with ``prompt_tokens_details.cached_tokens``), ``/v1/models``, ``/health``, ``/ping``,
 ``/version``, ``/metrics``, ``/tokenize``, ``/detokenize``, and the simulator's
 ``/sim/state`` and ``POST /sim/fault``. vLLM adds ``/reset_prefix_cache``,
-``/kv_event_sources`` and ``/load``; SGLang adds ``/generate``, ``/server_info``,
+``/kv_event_sources`` (vLLM 0.32+'s object keyed by data-parallel rank), ``/load``,
+``/v1/chat/completions/render`` and ``/v1/completions/render`` (vLLM's render API: the token
+ids a request becomes, as a ``GenerateRequest``), and ``/get_server_info`` (the ``block_size``
+that vllm-router's KV-event discovery reads; real vLLM has no such route); SGLang adds ``/generate``, ``/server_info``,
 ``/model_info`` (and their ``/get_*`` aliases), ``/health_generate``, ``/flush_cache``,
 ``/get_load`` and ``/v1/loads``.
 
@@ -27,6 +30,7 @@ from aiohttp import web
 from loadtest.enginesim.api import (
     ApiError,
     GenRequest,
+    check_model,
     check_prompt,
     decode_body,
     error_body,
@@ -79,6 +83,9 @@ def build_app(worker: SimWorker) -> web.Application:
         r.add_post("/reset_prefix_cache", h.reset_prefix_cache)
         r.add_get("/kv_event_sources", h.kv_event_sources)
         r.add_get("/load", h.load)
+        r.add_post("/v1/chat/completions/render", h.render_chat)
+        r.add_post("/v1/completions/render", h.render_completion)
+        r.add_get("/get_server_info", h.vllm_server_info)
     else:
         r.add_post("/generate", h.generate)
         for path in ("/server_info", "/get_server_info"):
@@ -162,6 +169,19 @@ class _Handlers:
             return g.prompt_tokens
         return pack_tokens(await self.codec.encode(g.prompt_text or ""))
 
+    async def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        if add_special_tokens:
+            return await self.codec.encode(text)
+        tk = self.codec.tokenizer
+        if tk is None:
+            raise ApiError(400, "This simulator runs without a tokenizer: send token ids")
+        from gateway.tokenization import TokenizationError
+
+        try:
+            return await tk.aencode(text, add_special_tokens=False)
+        except TokenizationError as exc:
+            raise ApiError(400, str(exc), "prompt") from None
+
     async def _generate(
         self, request: web.Request, g: GenRequest, ids: bytes, shape: _Shape
     ) -> web.StreamResponse:
@@ -244,15 +264,28 @@ class _Handlers:
         return web.Response(body=self.w.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: a ``TokenizeChatRequest`` (``messages``; special tokens come
+        from the template) or a ``TokenizeCompletionRequest`` (``prompt``, with
+        ``add_special_tokens`` default true); ``token_strs`` only with ``return_token_strs``."""
         body = await _body(request)
         if "messages" in body:
             ids = await self._chat_ids(parse_chat(body, self.served, 1))
         elif isinstance(body.get("prompt"), str):
-            ids = await self.codec.encode(body["prompt"])
+            check_model(body, self.served)
+            special = body.get("add_special_tokens", True)
+            if not isinstance(special, bool):
+                raise ApiError(400, "add_special_tokens must be a boolean", "add_special_tokens")
+            ids = await self._encode_text(body["prompt"], special)
         else:
             raise ApiError(400, "prompt (a string) or messages is required", "prompt")
+        strs = body.get("return_token_strs")
+        if strs is not None and not isinstance(strs, bool):
+            raise ApiError(400, "return_token_strs must be a boolean", "return_token_strs")
+        token_strs = [self.codec.decode([i]) for i in ids] if strs else None
         limit = self.cfg.scheduler.max_model_len
-        return _json({"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None})
+        return _json(
+            {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": token_strs}
+        )
 
     async def detokenize(self, request: web.Request) -> web.Response:
         tokens = (await _body(request)).get("tokens")
@@ -288,19 +321,102 @@ class _Handlers:
         return _json({"success": ok})
 
     async def kv_event_sources(self, request: web.Request) -> web.Response:
-        if self.w.publisher is None:
-            return _json([])
-        source = {
-            "data_parallel_rank": 0,
+        """vLLM 0.32+: each data-parallel rank's ``KVEventsConfig`` keyed by the rank as a
+        string (``{}`` with events off), endpoints as the rank's publisher bound them."""
+        pub, ev = self.w.publisher, self.cfg.events
+        if pub is None:
+            return _json({})
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
             "endpoint": self.w.events_endpoint,
             "replay_endpoint": self.w.replay_endpoint,
-            "topic": self.cfg.events.topic,
+            "buffer_steps": ev.buffer_steps,
+            "hwm": ev.hwm,
+            "max_queue_size": 100000,
+            "topic": ev.topic,
+            "encoding": "msgpack",
+            "schema_version": 1,
         }
-        return _json([source])
+        return _json({"0": config})
 
     async def load(self, request: web.Request) -> web.Response:
         core = self.w.core
         return _json({"server_load": core.num_running + core.num_waiting})
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/chat/completions/render``: the chat request rendered and tokenized
+        as the engine would, returned as a ``GenerateRequest`` (what ``/inference/v1/generate``
+        takes), without generating."""
+        body = await _body(request)
+        g = parse_chat(body, self.served, self.cfg.scheduler.default_max_tokens)
+        ids = await self._chat_ids(g)
+        return _json(self._generate_request(body, g, ids, "chatcmpl"))
+
+    async def render_completion(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /v1/completions/render``: a list of ``GenerateRequest`` (one per
+        prompt; the simulator takes one)."""
+        body = await _body(request)
+        g = parse_completion(body, self.served, self.cfg.scheduler.default_max_tokens)
+        ids = unpack_tokens(await self._prompt(g))
+        return _json([self._generate_request(body, g, ids, "cmpl")])
+
+    def _generate_request(
+        self, body: dict[str, Any], g: GenRequest, ids: list[int], prefix: str
+    ) -> dict[str, Any]:
+        if not ids:
+            raise ApiError(400, "No token_ids rendered", "prompt")
+        check_prompt(pack_tokens(ids), g.max_tokens, self.cfg.scheduler.max_model_len, None)
+        temperature = body.get("temperature")
+        sampling: dict[str, Any] = {
+            "n": 1,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0 if temperature is None else float(temperature),
+            "top_p": float(body.get("top_p") or 1.0),
+            "top_k": 0,
+            "min_p": 0.0,
+            "seed": body.get("seed"),
+            "stop": [],
+            "stop_token_ids": [],
+            "ignore_eos": bool(body.get("ignore_eos", False)),
+            "max_tokens": g.max_tokens,
+            "min_tokens": int(body.get("min_tokens") or 0),
+            "logprobs": None,
+            "prompt_logprobs": None,
+            "skip_special_tokens": True,
+            "spaces_between_special_tokens": True,
+        }
+        opts = body.get("stream_options") if g.stream else None
+        return {
+            "request_id": f"{prefix}-{uuid.uuid4().hex}",
+            "token_ids": ids,
+            "features": None,
+            "sampling_params": sampling,
+            "model": body.get("model"),
+            "stream": g.stream,
+            "stream_options": opts,
+            "cache_salt": body.get("cache_salt"),
+            "priority": int(body.get("priority") or 0),
+            "kv_transfer_params": None,
+        }
+
+    async def vllm_server_info(self, request: web.Request) -> web.Response:
+        """Not a vLLM route (vLLM's ``/server_info`` dumps its config): the fields that
+        vllm-router's KV-event discovery reads from ``/get_server_info``."""
+        cfg = self.cfg
+        return _json(
+            {
+                "model_path": self._model_path(),
+                "served_model_name": cfg.model,
+                "block_size": cfg.cache.block_size,
+                "max_model_len": cfg.scheduler.max_model_len,
+                "data_parallel_size": 1,
+                "version": ENGINE_VERSIONS["vllm"],
+                "simulated": True,
+            }
+        )
 
     # -- SGLang ----------------------------------------------------------------------------
 
