@@ -227,7 +227,7 @@ def engine_restart(stack: Stack, rate: float = 4.0) -> FaultResult:
         worker = _busiest(stack)
         wid = stack.worker_id(worker)
         old = stack.index().get(wid, {}).get("blocks", 0)
-        stack.fault(worker, "restart")
+        stack.restart_engine(worker)
         t = time.monotonic()
         # every pre-restart block must leave the index; the fresh engine's new blocks may
         # arrive meanwhile, so "gone" is the first moment the count fell below the old one

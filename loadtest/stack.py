@@ -215,10 +215,12 @@ class Stack:
         return self.vllm.engines
 
     def restart_engine(self, i: int) -> None:
-        """Restart real engine ``i`` on the same ports: empty cache, KV event sequence from 0."""
-        if self.vllm is None:
-            raise HarnessError("this stack runs no real engines")
-        self.vllm.restart(i)
+        """Restart worker ``i``'s engine: empty cache, KV event sequence from 0 (a real engine
+        is a new process on the same ports, back once it answers /health)."""
+        if self.vllm is not None:
+            self.vllm.restart(i)
+        else:
+            self.fault(i, "restart")
 
     def _start_sim(self) -> None:
         c = self.config

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loadtest.benchmarks.faults import stack_for
+import pytest
+
+from loadtest.benchmarks.faults import REAL_ENGINE_FAULTS, stack_for
 from loadtest.faults import run_fault
 from loadtest.stack import Stack
 
@@ -73,3 +75,13 @@ def test_bad_events_are_counted_and_skipped(tmp_path: Path) -> None:
         r.detail["agent_bad_events"] > 0 and r.detail["agent_alive"] and r.detail["gateway_alive"]
     ), r
     assert r.lost == 0 and r.ok, r
+
+
+def test_real_engine_stacks_take_only_the_scenarios_they_can_run() -> None:
+    """``kvroute bench faults --engine vllm-cpu``: restarts and outages run on real vLLM;
+    scenarios that need the simulator's fault hooks are refused by name."""
+    for name in REAL_ENGINE_FAULTS:
+        cfg = stack_for(name, 2, None, "vllm-cpu")
+        assert cfg.engine == "vllm-cpu" and cfg.vllm_blocks
+    with pytest.raises(ValueError, match="dropped_batches"):
+        stack_for("dropped_batches", 2, None, "vllm-cpu")

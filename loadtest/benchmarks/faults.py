@@ -27,12 +27,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=3)
     p.add_argument("--redis-outage", type=float, default=30.0, help="seconds Redis stays down (R1)")
     p.add_argument("--log-dir", default="", help="keep each scenario's process logs here")
+    p.add_argument(
+        "--engine",
+        choices=["sim", "vllm-cpu"],
+        default="sim",
+        help="the workers: the engine simulator, or real vLLM on CPU (scripts/install-vllm; "
+        f"scenarios {', '.join(REAL_ENGINE_FAULTS)} only)",
+    )
 
 
-def stack_for(fault: str, workers: int, log_dir: Path | None) -> StackConfig:
+#: Scenarios that need nothing of the simulator's fault hooks, so real vLLM can run them.
+REAL_ENGINE_FAULTS = ("agent_restart", "engine_restart", "redis_outage")
+
+
+def stack_for(fault: str, workers: int, log_dir: Path | None, engine: str = "sim") -> StackConfig:
     """The stack a fault runs on. A stuck worker is shown with a load-blind policy: the
     default policy already steers away from a worker whose requests get no first token, so
-    only round robin keeps sending it requests that must time out and open its circuit."""
+    only round robin keeps sending it requests that must time out and open its circuit.
+    Real vLLM (``engine="vllm-cpu"``) runs the tiny CPU model with small KV pools."""
+    if engine == "vllm-cpu":
+        if fault not in REAL_ENGINE_FAULTS:
+            raise ValueError(
+                f"fault {fault!r} needs the simulator's fault hooks; on real vLLM: "
+                f"{', '.join(REAL_ENGINE_FAULTS)}"
+            )
+        return StackConfig(
+            workers=workers,
+            engine="vllm-cpu",
+            model="vllm-cpu-model",
+            vllm_blocks=256,
+            max_model_len=4096,
+            log_dir=log_dir,
+            start_timeout=600.0,
+        )
     if fault == "stuck_worker":
         settings: dict[str, Any] = {"proxy": {"first_byte_timeout": 2.0, "idle_timeout": 3.0}}
         return StackConfig(
@@ -50,7 +77,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: list[FaultResult] = []
     for name in [f.strip() for f in args.faults.split(",") if f.strip()]:
         log_dir = Path(args.log_dir) / name if args.log_dir else None
-        with Stack(stack_for(name, args.workers, log_dir)) as stack:
+        with Stack(stack_for(name, args.workers, log_dir, args.engine)) as stack:
             params = {"outage_s": args.redis_outage} if name == "redis_outage" else {}
             res = run_fault(name, stack, **params)
         print(
