@@ -143,6 +143,10 @@ class CompareConfig:
     loads: list[float] = field(default_factory=lambda: [0.3, 0.6, 0.8, 0.95])
     #: requests/s at load 1.0; 0: the pooled-cache cluster's capacity (offline, see above)
     capacity_rps: float = 0.0
+    #: the workers: "sim" (the engine simulator) or "vllm-cpu" (real vLLM on CPU, a tiny model
+    #: with random weights: its hit accounting is vLLM's, its timing a CPU's; kv_blocks then
+    #: counts vLLM's 32-token blocks and capacity_rps must be given)
+    engine: str = "sim"
     capacity_ttft_factor: float = 3.0
     systems: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEMS))
     workers: int = 8
@@ -666,6 +670,13 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
     stream = Stream(workload, cfg.mode, trace_text=text)
     say = print if cfg.progress else None
     reference: dict[str, Any] = {"kv_blocks_per_worker": _kv_blocks(cfg)}
+    if cfg.engine == "vllm-cpu" and not cfg.capacity_rps:
+        raise ValueError(
+            "engine vllm-cpu: set capacity_rps (the offline capacity estimate models GPU "
+            "timing, not a tiny model on one CPU core)"
+        )
+    if cfg.engine not in ("sim", "vllm-cpu"):
+        raise ValueError(f"engine {cfg.engine!r}: expected sim or vllm-cpu")
     if not cfg.capacity_rps:
         reference.update(neutral_capacity(stream, cfg, say))
         cfg.capacity_rps = reference["capacity_rps"]
@@ -695,6 +706,11 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
         gateways=0,
         log_dir=out / "logs",
     )
+    if cfg.engine == "vllm-cpu":  # real vLLM: 32-token engine blocks, the pool in them
+        stack_cfg.engine = "vllm-cpu"
+        stack_cfg.vllm_blocks = cfg.kv_blocks or None
+        stack_cfg.max_model_len = min(cfg.max_model_len, 8192)
+        stack_cfg.start_timeout = 600.0
     with Stack(stack_cfg) as stack:
         runner = _Runner(stack, cfg, stream)
         systems = list(cfg.systems)
@@ -913,6 +929,12 @@ class _Runner:
             "slo_ok": p90 <= cfg.slo_ttft_ms,
             "max_mean_load": bal["max_mean_requests"],
             "max_mean_tokens": bal["max_mean_tokens"],
+            # the work that must balance: prefill of the uncached prompt tokens per worker
+            # (request counts mislead when prompt lengths have a long tail, as traces do)
+            "max_mean_prefill": balance(
+                {},
+                {w: v["prompt_tokens"] - v["cached_tokens"] for w, v in per_worker.items()},
+            )["max_mean_tokens"],
             "per_worker": per_worker,
             "warmup_s": round(warmup, 1),
             "ttfts_ms": ttfts,
@@ -1015,6 +1037,7 @@ COLUMNS = {
     "TTFT p99 (ms)": "ttft_p99_ms",
     "goodput": "goodput",
     "max/mean load": "max_mean_load",
+    "max/mean prefill": "max_mean_prefill",
     "failed": "failed",
 }
 

@@ -423,6 +423,15 @@ def launch(
 def pool_from_stack(stack: Stack) -> Pool:
     """The pool of a running ``loadtest.stack.Stack``: its sim workers, model, tokenizer,
     block size and each worker's KV event endpoints (from the simulator's admin API)."""
+    if stack.vllm is not None:  # real engines: their own block size and event sockets
+        engines = stack.engines
+        return Pool(
+            list(stack.worker_urls),
+            stack.config.model,
+            stack.tokenizer_path(),
+            engines[0].config.block_size,
+            [(e.events_endpoint, e.replay_endpoint) for e in engines],
+        )
     states = stack.sim_state()
     sources = [(str(w["events_endpoint"]), w.get("replay_endpoint")) for w in states]
     return Pool(

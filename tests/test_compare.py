@@ -236,6 +236,8 @@ def test_compare_runs_kvroute_and_the_peers_on_one_cluster(
         assert r["failed"] == 0 and r["requests"] > 10 and r["load"] == 0.5 and r["rate"] == 6.0
         assert 0 < r["hit_rate"] <= 1 and r["ttft_p50_ms"] > 0 and r["max_mean_load"] >= 1
         assert sum(w["requests"] for w in r["per_worker"].values()) >= r["requests"]
+        work = [w["prompt_tokens"] - w["cached_tokens"] for w in r["per_worker"].values()]
+        assert r["max_mean_prefill"] == round(max(work) / (sum(work) / len(work)), 3)
         # Q1: the bound counts exactly the requests the live figure counts
         assert r["requests"] == window["requests"] and r["bound_hit_rate"] == window["hit_rate"]
         assert r["slo_ok"] is (r["ttft_p90_ms"] <= 2000.0)
