@@ -996,11 +996,23 @@ def _reset_workers(stack: Stack, timeout: float = 300.0) -> None:
             raise TimeoutError(f"workers still busy ({busy:g} requests) {timeout:g}s after a run")
         time.sleep(0.5)
     path = "/flush_cache" if stack.config.flavor == "sglang" else "/reset_prefix_cache"
+    # vLLM publishes KV events once per engine step, so an idle engine's AllBlocksCleared
+    # waits for its next step: a one-token request (no full block to cache) makes one
+    nudge = json.dumps({"model": stack.config.model, "prompt": "a", "max_tokens": 1}).encode()
     while True:
         for url in stack.worker_urls:
             req = urllib.request.Request(url + path, data=b"", method="POST")
             with urllib.request.urlopen(req, timeout=10) as resp:
                 resp.read()
+            if stack.vllm is not None:
+                req = urllib.request.Request(
+                    url + "/v1/completions",
+                    data=nudge,
+                    method="POST",
+                    headers={"content-type": "application/json"},
+                )
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    resp.read()
         again = time.monotonic() + 10.0
         while time.monotonic() < again:
             if not any(w["index_blocks"] for url in stack.gateway_urls for w in stack.workers(url)):
