@@ -1,149 +1,595 @@
-"""``kvroute bench gateway``: what the gateway costs (targets P4, P5, P6), beside sglang-router.
+"""``kvroute bench gateway``: what the gateway costs (targets P5, P6; P4 beside them), beside
+``smg`` and ``vllm-router`` on the same simulated worker(s) in the same invocation.
 
-Real processes on loopback: Redis, simulated workers (fast timing), agents, one kvroute
-gateway process and one sglang-router on the same workers.
+Real processes on loopback: Redis, the engine simulator (``kvroute sim``, ``--speedup``
+1000: a follow-up turn's prefill and decode steps take microseconds of engine time, and what
+the worker costs is its own Python work per request), an agent per worker, one kvroute
+gateway process, and each peer router as its own process.
 
-* ``added_latency_p50_ms`` / ``_p99_ms`` (P5): TTFT through the router minus TTFT sent
-  straight to the worker that holds the prompt, for 8,000-token chat prompts with warm caches
-  (every conversation sent once before measuring). Direct and routed requests alternate so
-  both see the same machine; the figures are differences of the two distributions'
-  percentiles. Requests are paced at ``--rate`` per second.
-* ``tokenize_followup_ratio`` (P4): from ``kvroute bench tokenize``.
-* ``proxy_rps_per_core`` (P6): short prompts, 64 streamed tokens each, ``--concurrency``
-  clients closed-loop for ``--seconds``; requests completed per CPU second of the router
-  process (from /proc). The simulated workers and the client share the same two cores, so
-  wall-clock req/s says more about the machine than the proxy; CPU seconds do not.
+**P5, added latency** (targets.md: "TTFT through it - TTFT direct to the same worker,
+8,000-token chats, each request a new turn, several conversations in flight, 100 req/s per
+gateway process"). Per system, in phases that alternate between the systems (``--rounds``,
+ABC CBA ...), each phase with fresh conversations:
+
+* every request is the next turn of its conversation: the chat so far, the reply just
+  streamed back and a new user message, so the worker has the previous turn cached and the
+  reply and the new message not. Chats start below ``--prompt-tokens`` and grow through it
+  (``prompt_tokens_mean``/``_min``/``_max`` are the engine's own counts); every conversation's
+  opening turn is sent before measuring, unmeasured;
+* turns arrive open-loop, Poisson at ``--rate`` per second through the router, spread over
+  ``--conversations`` conversations (an arrival takes the idle conversation that waited
+  longest), so many are active at once and requests overlap (``in_flight_mean``/``_max``:
+  requests in flight, routed and direct, seen at each send);
+* one arrival in ``--direct-every`` goes to a *twin pair*: two conversations with the same
+  shape (lengths, reply size) and different words, so neither reuses the other's cache. The
+  routed twin goes through the router, the direct twin straight to the worker half a mean
+  gap before or after it (drawn at random): the same cache state, the same moment, so drift
+  hits both paths alike. The other arrivals are routed conversations alone, there to bring
+  the router to ``--rate`` while the worker serves ``rate x (1 + 1/N)`` requests/s (the
+  simulator tokenizes every chat in Python: at ``2 x rate`` it, not the router, would set
+  the pace on 2 cores);
+* TTFT is measured by the client, from the request's send to the first SSE chunk (the
+  engine sends none before its first token);
+* ``added_p50_ms``/``added_p99_ms`` are percentiles of the *paired* differences (routed twin's
+  TTFT - direct twin's TTFT, same arrival). The difference of the two distributions'
+  percentiles is reported beside them (``added_dist_*``): the p99 of paired differences
+  carries both paths' jitter, the quantile difference does not;
+* "the same worker": with one worker (the default) exact; with ``--workers N`` the direct
+  twin goes where the router sent the routed twin the turn before when the router says so
+  (kvroute's ``x-kvroute-worker``), otherwise to a fixed worker per pair (``direct_to``);
+* ``requests_per_cpu_s``: routed requests per CPU-second of the router's process (and any
+  children: utime + stime from /proc) over the phase.
+
+``ok`` is P5's verdict for kvroute: added p50 <= 1 ms and <= smg's, p99 <= 2 x smg's, from the
+same run (``targets``); each system gets the same checks in its own row. A peer that is not
+installed is named under ``missing``, and only the checks that need it fail.
+
+**P6** (``--throughput-seconds``, 0 skips it): short prompts, 64 streamed tokens each,
+``--concurrency`` clients closed-loop; requests completed per CPU-second of each router
+process (``p6``; its own ``ok``: kvroute's >= smg's). The simulated workers and the client share
+the machine's cores, so wall-clock req/s says more about the machine than the proxy.
+
+**P4**: ``tokenize_followup_ratio`` from ``kvroute bench tokenize`` (``--tokenize-repeats``, 0
+skips it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import os
 import random
-import statistics
 import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
+import msgspec
 
-from loadtest.peers import sglang_router, wait_router_ready
+from loadtest.peers import Peer, PeerNotInstalled, is_peer, launch, peer_spec, pool_from_stack
 from loadtest.stack import Stack, StackConfig
 from loadtest.workloads import WORDS
 
 NAME = "gateway"
-HELP = "gateway cost: added latency, tokenization follow-up ratio, proxy throughput (P4-P6)"
+HELP = (
+    "gateway cost beside smg and vllm-router: added TTFT on growing 8,000-token chats at "
+    "100 req/s (P5), requests per CPU-second (P6), tokenization follow-up ratio (P4)"
+)
+
+KVROUTE = "kvroute"
+SMG = "smg-cache_aware"
+VLLM_ROUTER = "vllm-router-kv_aware"
+DEFAULT_SYSTEMS = (KVROUTE, SMG, VLLM_ROUTER)
+
+# targets.md, P5
+P5_P50_MS = 1.0  # added latency p50 <= 1 ms ...
+P5_P99_VS_SMG = 2.0  # ... and p99 <= 2x smg's (p50 <= smg's too)
+#: below this many measured pairs a system's figures are not judged (``sane``)
+MIN_PAIRS = 20
+#: arrivals that may find every conversation still busy (a stall) before a run is not sane
+MAX_SKIPPED = 0.01
+
+T = TypeVar("T")
+
+CONFIG_KEYS = (
+    "rate", "duration", "warmup", "rounds", "conversations", "direct_every", "prompt_tokens",
+    "user_tokens", "max_tokens", "workers", "speedup", "kv_blocks", "seed",
+)  # fmt: skip
+
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--pairs", type=int, default=150, help="direct/routed request pairs per router")
-    p.add_argument(
-        "--rate", type=float, default=100.0, help="paced requests/s for the latency test"
+    a = p.add_argument
+    a("--rate", type=float, default=100.0, help="routed requests/s per router (open loop)")
+    a("--duration", type=float, default=20.0, help="seconds of measured traffic per phase")
+    a("--warmup", type=float, default=1.0, help="seconds of traffic sent, not counted, per phase")
+    a("--rounds", type=int, default=2, help="phases per system, alternating between systems")
+    a("--conversations", type=int, default=48, help="routed conversations per phase")
+    a(
+        "--direct-every",
+        type=int,
+        default=2,
+        help="one arrival in N is a twin pair (routed + direct), the others routed alone: the "
+        "worker serves rate x (1 + 1/N) requests/s",
     )
-    p.add_argument("--prompt-tokens", type=int, default=8000)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--seconds", type=float, default=15.0, help="per throughput run")
-    p.add_argument("--no-sglang", action="store_true", help="skip sglang-router")
-    p.add_argument("--log-dir", default="")
+    a("--prompt-tokens", type=int, default=8000, help="chat size the conversations grow through")
+    a("--user-tokens", type=int, default=32, help="words in each new user message")
+    a("--max-tokens", type=int, default=8, help="streamed tokens per reply")
+    a("--workers", type=int, default=1)
+    a("--speedup", type=float, default=1000.0, help="engine simulator speed-up")
+    a("--kv-blocks", type=int, default=65536, help="KV blocks per simulated worker")
+    a(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help="comma-separated: kvroute and peer systems (loadtest/peers.py PEERS)",
+    )
+    a("--throughput-seconds", type=float, default=10.0, help="P6 run per system (0: skip)")
+    a("--concurrency", type=int, default=32, help="P6 closed-loop clients")
+    a("--tokenize-repeats", type=int, default=9, help="P4 ratio repeats (0: skip)")
+    a("--seed", type=int, default=1)
+    a("--log-dir", default="")
+
+
+# -- small helpers ------------------------------------------------------------------------------
 
 
 def _text(rng: random.Random, n: int) -> str:
-    return "".join(" " + rng.choice(WORDS) for _ in range(n))
+    return "".join(" " + rng.choice(WORDS) for _ in range(max(1, n)))
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process and its threads (Linux /proc)."""
+def _pct(xs: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``xs``, linear between order statistics."""
+    s = sorted(xs)
+    if not s:
+        return math.nan
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _ms(x: float) -> float | None:
+    return None if math.isnan(x) else round(x * 1e3, 3)
+
+
+def _stat_fields(pid: int) -> list[str]:
     with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return f.read().rsplit(")", 1)[1].split()
 
 
-async def _ttft(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> float:
+def _tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid``, its threads and its live descendants (Linux /proc)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent[int(entry)] = int(_stat_fields(int(entry))[1])
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p and c not in tree]
+        tree.update(kids)
+        frontier.extend(kids)
+    ticks = 0
+    for p in tree:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            f = _stat_fields(p)
+            ticks += int(f[11]) + int(f[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on uvloop when installed (a cheaper client), else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a gateway dependency
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+# -- one request --------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    kind: str  # "routed" | "direct"
+    ttft: float = math.nan  # seconds, client side
+    reply: str = ""
+    worker: str = ""  # x-kvroute-worker, when the router says
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+async def _stream_chat(session: aiohttp.ClientSession, url: str, body: bytes, kind: str) -> Sample:
+    """POST a streamed chat; TTFT is the first SSE chunk (the engine sends none before its
+    first token); the reply text and the usage chunk are collected from the rest."""
+    out = Sample(kind)
+    parts: list[str] = []
     t0 = time.perf_counter()
-    async with session.post(url + "/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.read())[:200]!r}")
-        async for line in resp.content:
-            if line.startswith(b"data:") and b'"content"' in line:
-                ttft = time.perf_counter() - t0
-                await resp.read()
-                return ttft
-    raise RuntimeError(f"{url}: stream without a token")
-
-
-async def _added_latency(
-    worker_urls: list[str], routers: dict[str, str], model: str, args: argparse.Namespace
-) -> dict[str, Any]:
-    rng = random.Random(1)
-    convs = [
-        [
-            {"role": "system", "content": _text(rng, args.prompt_tokens - 100)},
-            {"role": "user", "content": _text(rng, 60)},
-        ]
-        for _ in range(8)
-    ]
-    body = {"model": model, "max_tokens": 2, "stream": True, "temperature": 0}
-    out: dict[str, Any] = {}
-    async with aiohttp.ClientSession() as session:
-        for name, url in routers.items():
-            # warm: each conversation once through the router; learn where it lives
-            home: dict[int, str] = {}
-            for i, msgs in enumerate(convs):
-                async with session.post(
-                    url + "/v1/chat/completions", json={**body, "stream": False, "messages": msgs}
-                ) as resp:
-                    await resp.read()
-                    home[i] = resp.headers.get("x-kvroute-worker", "")
-            direct_samples, routed_samples = [], []
-            gap = 1.0 / args.rate
-            for k in range(args.pairs):
-                i = k % len(convs)
-                msgs = convs[i]
-                target = worker_urls[int(home[i].rsplit("-", 1)[1])] if home[i] else None
-                t0 = time.perf_counter()
-                if target is not None:
-                    direct_samples.append(await _ttft(session, target, {**body, "messages": msgs}))
-                routed_samples.append(await _ttft(session, url, {**body, "messages": msgs}))
-                await asyncio.sleep(max(0.0, 2 * gap - (time.perf_counter() - t0)))
-            if not direct_samples:  # a peer without the worker header: direct to every worker
-                for k in range(args.pairs):
-                    direct_samples.append(
-                        await _ttft(
-                            session,
-                            worker_urls[k % len(worker_urls)],
-                            {**body, "messages": convs[k % len(convs)]},
-                        )
-                    )
-            q = statistics.quantiles
-            d50, r50 = statistics.median(direct_samples), statistics.median(routed_samples)
-            d99, r99 = q(direct_samples, n=100)[98], q(routed_samples, n=100)[98]
-            out[name] = {
-                "direct_ttft_p50_ms": round(d50 * 1e3, 3),
-                "routed_ttft_p50_ms": round(r50 * 1e3, 3),
-                "added_latency_p50_ms": round((r50 - d50) * 1e3, 3),
-                "added_latency_p99_ms": round((r99 - d99) * 1e3, 3),
-            }
+    try:
+        async with session.post(
+            url + "/v1/chat/completions",
+            data=body,
+            headers={"content-type": "application/json"},
+        ) as resp:
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+                return out
+            out.worker = resp.headers.get("x-kvroute-worker", "")
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                if math.isnan(out.ttft) and b'"content"' in line:
+                    out.ttft = time.perf_counter() - t0
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    continue  # read on to the end: the connection goes back to the pool
+                chunk = _decode(data)
+                for choice in chunk.get("choices") or ():
+                    parts.append((choice.get("delta") or {}).get("content") or "")
+                usage = chunk.get("usage")
+                if usage:
+                    out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    out.cached_tokens = int(details.get("cached_tokens") or 0)
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    if math.isnan(out.ttft):
+        out.error = "stream without a token"
+    out.reply = "".join(parts)
     return out
+
+
+# -- the P5 phase -------------------------------------------------------------------------------
+
+
+@dataclass
+class Conversation:
+    messages: list[dict[str, str]]
+    rng: random.Random
+    home: str = ""  # the worker URL it lives on, when known
+
+
+@dataclass
+class TwinPair:
+    """A routed conversation and, in a twin pair, its direct twin (None: a routed
+    conversation alone, there to bring the router to ``--rate``)."""
+
+    index: int
+    routed: Conversation
+    direct: Conversation | None
+    fixed_worker: str
+
+
+@dataclass
+class Phase:
+    """One system's measured traffic in one round."""
+
+    system: str
+    url: str
+    pairs: list[tuple[Sample, Sample]] = field(default_factory=list)  # (routed, direct)
+    solo: list[Sample] = field(default_factory=list)  # routed turns without a twin
+    errors: list[str] = field(default_factory=list)
+    skipped: int = 0
+    slots: int = 0
+    routed_sent: int = 0
+    direct_sent: int = 0
+    routed_ok: int = 0
+    in_flight: list[int] = field(default_factory=list)  # sampled at every send
+    send_lag: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    cpu_s: float | None = None
+
+
+def _make_conversations(
+    args: argparse.Namespace, worker_urls: list[str], seed: str, start_words: int
+) -> tuple[list[TwinPair], list[TwinPair]]:
+    """``--conversations`` routed conversations: one in ``--direct-every`` with a direct twin
+    (twin pairs), the others alone. Every conversation opens with a shared 200-word head,
+    then its own history; twins have the same lengths and different words."""
+    shared = random.Random(f"{seed}-system")
+    system_prompt = _text(shared, 200)  # a short shared head, as real deployments have
+    n_twins = max(1, math.ceil(args.conversations / max(1, args.direct_every)))
+    twins: list[TwinPair] = []
+    solos: list[TwinPair] = []
+    for i in range(max(args.conversations, n_twins)):
+        shape = random.Random(f"{seed}-shape{i}").random()
+        convs = []
+        for twin in ("a", "b") if i < n_twins else ("a",):
+            rng = random.Random(f"{seed}-{i}-{twin}")
+            history = _text(rng, max(1, start_words - 200 - int(shape * 100)))
+            convs.append(
+                Conversation(
+                    [
+                        {"role": "system", "content": system_prompt + history},
+                        {"role": "user", "content": _text(rng, args.user_tokens)},
+                    ],
+                    rng,
+                )
+            )
+        pair = TwinPair(
+            i, convs[0], convs[1] if len(convs) > 1 else None, worker_urls[i % len(worker_urls)]
+        )
+        (twins if pair.direct is not None else solos).append(pair)
+    return twins, solos
+
+
+def _body(model: str, conv: Conversation, max_tokens: int) -> bytes:
+    return _encode(
+        {
+            "model": model,
+            "messages": conv.messages,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    )
+
+
+def _next_turn(conv: Conversation, reply: str, user_tokens: int) -> None:
+    conv.messages.append({"role": "assistant", "content": reply})
+    conv.messages.append({"role": "user", "content": _text(conv.rng, user_tokens)})
+
+
+class P5Runner:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        worker_urls: list[str],
+        model: str,
+        session: aiohttp.ClientSession,
+    ) -> None:
+        self.args = args
+        self.worker_urls = worker_urls
+        self.model = model
+        self.session = session
+        n = max(1, args.conversations)
+        turns = args.rate * (args.duration + args.warmup) / n
+        growth = turns * (args.user_tokens + args.max_tokens + 8)
+        #: where the chats start so that they grow through --prompt-tokens
+        self.start_words = max(args.prompt_tokens // 2, int(args.prompt_tokens - growth / 2))
+
+    def _direct_target(self, pair: TwinPair) -> str:
+        return pair.routed.home or pair.fixed_worker
+
+    def _home(self, worker_id: str) -> str:
+        try:
+            return self.worker_urls[int(worker_id.rsplit("-", 1)[1])]
+        except (IndexError, ValueError):
+            return ""
+
+    async def _open(self, phase: Phase, pairs: list[TwinPair]) -> None:
+        """Each conversation's opening turn, unmeasured: routed first (its worker, when the
+        router names it, becomes the direct twin's worker), then its direct twin."""
+        sem = asyncio.Semaphore(4)
+        a = self.args
+
+        async def one(pair: TwinPair) -> None:
+            async with sem:
+                s = await _stream_chat(
+                    self.session, phase.url, _body(self.model, pair.routed, a.max_tokens), "routed"
+                )
+                if s.error:
+                    raise RuntimeError(f"{phase.system}: opening turn failed: {s.error}")
+                pair.routed.home = self._home(s.worker) if s.worker else ""
+                _next_turn(pair.routed, s.reply, a.user_tokens)
+                if pair.direct is None:
+                    return
+                d = await _stream_chat(
+                    self.session,
+                    self._direct_target(pair),
+                    _body(self.model, pair.direct, a.max_tokens),
+                    "direct",
+                )
+                if d.error:
+                    raise RuntimeError(f"direct opening turn failed: {d.error}")
+                _next_turn(pair.direct, d.reply, a.user_tokens)
+
+        await asyncio.gather(*(one(p) for p in pairs))
+
+    async def run_phase(self, system: str, url: str, pid: int | None, seed: str) -> Phase:
+        a = self.args
+        phase = Phase(system, url)
+        twins, solos = _make_conversations(a, self.worker_urls, seed, self.start_words)
+        await self._open(phase, twins + solos)
+
+        rng = random.Random(f"{seed}-arrivals")
+        gap = 1.0 / a.rate
+        total = a.warmup + a.duration
+        times, t = [], 0.0
+        while t < total:
+            times.append(t)
+            t += rng.expovariate(a.rate)
+        # least recently used first; a twin pair every --direct-every arrivals
+        idle_twins, idle_solos = list(twins), list(solos)
+        every = max(1, a.direct_every)
+        in_flight = 0
+        tasks: list[asyncio.Task[None]] = []
+
+        async def send(conv: Conversation, target: str, kind: str, delay: float) -> Sample:
+            nonlocal in_flight
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = _body(self.model, conv, a.max_tokens)
+            in_flight += 1
+            phase.in_flight.append(in_flight)
+            try:
+                return await _stream_chat(self.session, target, body, kind)
+            finally:
+                in_flight -= 1
+
+        def done(pair: TwinPair, s: Sample) -> bool:
+            if s.error:
+                phase.errors.append(f"{s.kind}: {s.error}")
+                return False
+            conv = pair.routed if s.kind == "routed" else pair.direct
+            assert conv is not None
+            if s.kind == "routed":
+                phase.routed_ok += 1
+                if s.worker:
+                    conv.home = self._home(s.worker)
+            _next_turn(conv, s.reply, a.user_tokens)
+            return True
+
+        async def twin_slot(pair: TwinPair, counted: bool, direct_first: bool) -> None:
+            assert pair.direct is not None
+            direct_to = self._direct_target(pair)
+            r_delay, d_delay = (gap / 2, 0.0) if direct_first else (0.0, gap / 2)
+            phase.routed_sent += 1
+            phase.direct_sent += 1
+            r, d = await asyncio.gather(
+                send(pair.routed, url, "routed", r_delay),
+                send(pair.direct, direct_to, "direct", d_delay),
+            )
+            ok_r, ok_d = done(pair, r), done(pair, d)
+            if counted and ok_r and ok_d:
+                phase.pairs.append((r, d))
+            idle_twins.append(pair)
+
+        async def solo_slot(pair: TwinPair, counted: bool) -> None:
+            phase.routed_sent += 1
+            r = await send(pair.routed, url, "routed", 0.0)
+            if done(pair, r) and counted:
+                phase.solo.append(r)
+            idle_solos.append(pair)
+
+        loop = asyncio.get_running_loop()
+        cpu0 = _tree_cpu_seconds(pid) if pid else None
+        t0 = loop.time()
+        for i, at in enumerate(times):
+            delay = t0 + at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            phase.send_lag.append(max(0.0, loop.time() - (t0 + at)))
+            phase.slots += 1
+            counted = at >= a.warmup
+            idle = idle_twins if i % every == 0 or not solos else idle_solos
+            if not idle:
+                phase.skipped += 1  # every conversation still waiting: the system stalls
+                continue
+            pair = idle.pop(0)
+            if pair.direct is not None:
+                coro = twin_slot(pair, counted, rng.random() < 0.5)
+            else:
+                coro = solo_slot(pair, counted)
+            tasks.append(asyncio.create_task(coro))
+        await asyncio.gather(*tasks)
+        phase.wall = loop.time() - t0
+        if cpu0 is not None and pid:
+            phase.cpu_s = _tree_cpu_seconds(pid) - cpu0
+        return phase
+
+
+def _summarize(system: str, phases: list[Phase], args: argparse.Namespace) -> dict[str, Any]:
+    pairs = [p for ph in phases for p in ph.pairs]
+    routed = [r.ttft for r, _ in pairs]
+    direct = [d.ttft for _, d in pairs]
+    diffs = [r.ttft - d.ttft for r, d in pairs]
+    routed_sent = sum(ph.routed_sent for ph in phases)
+    direct_sent = sum(ph.direct_sent for ph in phases)
+    solo = [x.ttft for ph in phases for x in ph.solo]
+    errors = [e for ph in phases for e in ph.errors]
+    in_flight = [n for ph in phases for n in ph.in_flight]
+    wall = sum(ph.wall for ph in phases)
+    cpus = [ph.cpu_s for ph in phases]
+    cpu = None if any(c is None for c in cpus) else sum(c or 0.0 for c in cpus)
+    routed_done = sum(ph.routed_ok for ph in phases)
+
+    def mean(xs: list[float]) -> float | None:
+        return round(sum(xs) / len(xs), 1) if xs else None
+
+    def cached(kind: int) -> float | None:
+        prompt = sum(p[kind].prompt_tokens for p in pairs)
+        return round(sum(p[kind].cached_tokens for p in pairs) / prompt, 4) if prompt else None
+
+    workers = {r.worker for r, _ in pairs}
+    if args.workers == 1:
+        direct_to = "the one worker (same worker, exact)"
+    elif workers and "" not in workers:
+        direct_to = "the worker the router chose for the twin's previous turn (x-kvroute-worker)"
+    else:
+        direct_to = "a fixed worker per twin pair (the router does not say where it sent)"
+    lag = [x for ph in phases for x in ph.send_lag]
+    return {
+        "system": system,
+        "pairs": len(pairs),
+        "routed_requests": routed_sent,
+        "direct_requests": direct_sent,
+        "errors": len(errors),
+        "error_examples": errors[:3],
+        "slots": sum(ph.slots for ph in phases),
+        "slots_skipped": sum(ph.skipped for ph in phases),
+        "direct_ttft_p50_ms": _ms(_pct(direct, 0.5)),
+        "direct_ttft_p99_ms": _ms(_pct(direct, 0.99)),
+        "routed_ttft_p50_ms": _ms(_pct(routed, 0.5)),
+        "routed_ttft_p99_ms": _ms(_pct(routed, 0.99)),
+        "routed_alone_ttft_p50_ms": _ms(_pct(solo, 0.5)),
+        "routed_alone_ttft_p99_ms": _ms(_pct(solo, 0.99)),
+        "added_p50_ms": _ms(_pct(diffs, 0.5)),
+        "added_p99_ms": _ms(_pct(diffs, 0.99)),
+        "added_mean_ms": _ms(sum(diffs) / len(diffs)) if diffs else None,
+        "added_dist_p50_ms": _ms(_pct(routed, 0.5) - _pct(direct, 0.5)),
+        "added_dist_p99_ms": _ms(_pct(routed, 0.99) - _pct(direct, 0.99)),
+        "pairing": "paired: routed TTFT - its twin's direct TTFT in the same arrival slot",
+        "direct_to": direct_to,
+        "prompt_tokens_mean": mean([float(r.prompt_tokens) for r, _ in pairs]),
+        "prompt_tokens_min": min((r.prompt_tokens for r, _ in pairs), default=None),
+        "prompt_tokens_max": max((r.prompt_tokens for r, _ in pairs), default=None),
+        "cached_fraction_routed": cached(0),
+        "cached_fraction_direct": cached(1),
+        "in_flight_mean": round(sum(in_flight) / len(in_flight), 2) if in_flight else None,
+        "in_flight_max": max(in_flight, default=0),
+        "send_lag_p99_ms": _ms(_pct(lag, 0.99)),
+        "routed_rps": round(routed_done / wall, 1) if wall else None,
+        "router_cpu_s": None if cpu is None else round(cpu, 3),
+        "router_cpu_util": None if cpu is None or not wall else round(cpu / wall, 3),
+        "requests_per_cpu_s": round(routed_done / cpu, 1) if cpu else None,
+    }
+
+
+def _p5_checks(row: dict[str, Any], smg: dict[str, Any] | None) -> dict[str, bool]:
+    """P5's three checks for one system's row against smg's row of the same run (None: smg
+    missing or failed, and the checks that need it fail)."""
+    p50, p99 = row.get("added_p50_ms"), row.get("added_p99_ms")
+    s50 = None if smg is None else smg.get("added_p50_ms")
+    s99 = None if smg is None else smg.get("added_p99_ms")
+    return {
+        "p50_le_1ms": p50 is not None and p50 <= P5_P50_MS,
+        "p50_le_smg": p50 is not None and s50 is not None and p50 <= s50,
+        "p99_le_2x_smg": p99 is not None and s99 is not None and p99 <= P5_P99_VS_SMG * s99,
+    }
+
+
+# -- P6 (proxy throughput per CPU-second) -------------------------------------------------------
 
 
 async def _throughput(
     url: str, model: str, pid: int | None, args: argparse.Namespace
 ) -> dict[str, Any]:
-    body = {
-        "model": model,
-        "max_tokens": 64,
-        "stream": True,
-        "ignore_eos": True,
-        "messages": [{"role": "user", "content": "Say something."}],
-    }
+    body = json.dumps(
+        {
+            "model": model,
+            "max_tokens": 64,
+            "stream": True,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Say something."}],
+        }
+    ).encode()
     done = 0
     errors = 0
-    stop = time.monotonic() + args.seconds
-    cpu0 = _cpu_seconds(pid) if pid else 0.0
-    t0 = time.monotonic()
+    stop = time.monotonic() + args.throughput_seconds
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
 
@@ -151,7 +597,11 @@ async def _throughput(
             nonlocal done, errors
             while time.monotonic() < stop:
                 try:
-                    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                    async with session.post(
+                        url + "/v1/chat/completions",
+                        data=body,
+                        headers={"content-type": "application/json"},
+                    ) as resp:
                         await resp.read()
                         if resp.status == 200:
                             done += 1
@@ -160,80 +610,207 @@ async def _throughput(
                 except aiohttp.ClientError:
                     errors += 1
 
+        cpu0 = _tree_cpu_seconds(pid) if pid else 0.0
+        t0 = time.monotonic()
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
-    wall = time.monotonic() - t0
-    cpu = (_cpu_seconds(pid) - cpu0) if pid else 0.0
+        wall = time.monotonic() - t0
+        cpu = (_tree_cpu_seconds(pid) - cpu0) if pid else 0.0
     return {
         "rps": round(done / wall, 1),
-        "cpu_s": round(cpu, 2),
-        "rps_per_core": round(done / cpu, 1) if cpu else None,
+        "cpu_s": round(cpu, 2) if pid else None,
+        "rps_per_cpu_s": round(done / cpu, 1) if cpu else None,
         "cpu_ms_per_req": round(cpu * 1e3 / done, 3) if done and cpu else None,
         "errors": errors,
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from loadtest.benchmarks import tokenize as tok_bench
+# -- the run ------------------------------------------------------------------------------------
 
+
+@dataclass
+class Router:
+    system: str
+    url: str
+    pid: int | None
+    peer: Peer | None = None
+    note: str = ""
+
+
+def _systems(args: argparse.Namespace) -> list[str]:
+    names = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in names:
+        if s != KVROUTE and not is_peer(s):
+            raise SystemExit(f"--systems: unknown system {s!r}")
+    return names
+
+
+def _start_routers(
+    stack: Stack, names: list[str]
+) -> tuple[dict[str, Router], dict[str, str], dict[str, str]]:
+    """kvroute (the stack's gateway) and every named peer, started and ready; peers that are
+    not installed under ``missing``, peers that fail to start under ``failed``."""
+    routers: dict[str, Router] = {}
+    missing: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    pool = pool_from_stack(stack)
+    for name in names:
+        if name == KVROUTE:
+            pids = stack.gateway_pids(0)
+            proc = stack.gateways[0]
+            pid = pids[0] if pids else proc.pid
+            routers[name] = Router(name, stack.gateway_urls[0], pid, note="policy ttft")
+            continue
+        try:
+            peer = launch(name, pool, stack.log_dir)
+        except PeerNotInstalled as exc:
+            missing[name] = str(exc)
+            continue
+        stack.add_process(peer.proc)
+        try:
+            peer.wait_ready()
+        except Exception as exc:  # one peer failing must not end the benchmark
+            failed[name] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            peer.stop()
+            continue
+        routers[name] = Router(name, peer.url, peer.proc.pid, peer, peer_spec(name).note)
+    return routers, missing, failed
+
+
+async def _p5(
+    stack: Stack, routers: dict[str, Router], args: argparse.Namespace, failed: dict[str, str]
+) -> dict[str, list[Phase]]:
+    """Every system's phases; a system whose phase fails (its router died, say) is named in
+    ``failed`` and skipped from then on, with the phases it completed kept."""
+    phases: dict[str, list[Phase]] = {name: [] for name in routers}
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()
+    ) as session:
+        runner = P5Runner(args, list(stack.worker_urls), stack.config.model, session)
+        for rnd in range(args.rounds):
+            order = list(routers.items())
+            for name, router in order if rnd % 2 == 0 else order[::-1]:  # ABC CBA ...
+                if name in failed:
+                    continue
+                seed = f"{args.seed}-{rnd}-{name}"
+                try:
+                    phase = await runner.run_phase(name, router.url, router.pid, seed)
+                except (RuntimeError, OSError, aiohttp.ClientError) as exc:
+                    failed[name] = f"round {rnd}: {type(exc).__name__}: {str(exc)[:500]}"
+                    continue
+                phases[name].append(phase)
+    return {name: ph for name, ph in phases.items() if ph}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    names = _systems(args)
     log_dir = Path(args.log_dir) if args.log_dir else None
     cfg = StackConfig(
-        workers=args.workers, speedup=200.0, kv_blocks=65536, max_model_len=65536, log_dir=log_dir
+        workers=args.workers,
+        speedup=args.speedup,
+        kv_blocks=args.kv_blocks,
+        max_model_len=65536,
+        log_dir=log_dir,
     )
-    result: dict[str, Any] = {}
+    t_start = time.monotonic()
     with Stack(cfg) as stack:
-        gw = stack.gateway_urls[0]
-        gw_pid = stack.gateways[0].proc.pid if stack.gateways[0].proc else None
-        routers = {"kvroute": gw}
-        sg_pid = None
-        if not args.no_sglang:
-            proc, url = sglang_router(
-                stack.worker_urls, "cache_aware", stack.log_dir, name="sglang-bench"
-            )
-            stack.add_process(proc)
-            wait_router_ready(proc, url, len(stack.worker_urls))
-            routers["sglang-cache_aware"] = url
-            sg_pid = proc.proc.pid if proc.proc else None
-        lat = asyncio.run(_added_latency(stack.worker_urls, routers, cfg.model, args))
-        tput = {"kvroute": asyncio.run(_throughput(gw, cfg.model, gw_pid, args))}
-        if "sglang-cache_aware" in routers:
-            tput["sglang-cache_aware"] = asyncio.run(
-                _throughput(routers["sglang-cache_aware"], cfg.model, sg_pid, args)
-            )
-        tput["direct"] = asyncio.run(_throughput(stack.worker_urls[0], cfg.model, None, args))
-    tok = tok_bench.run(
-        argparse.Namespace(
-            tokens=8000, repeats=9, template="deepseek-v3", reply_words=200, user_words=60, seed=7
-        )
+        routers, missing, failed = _start_routers(stack, names)
+        phases = _run_async(_p5(stack, routers, args, failed))
+        p6: dict[str, Any] = {}
+        if args.throughput_seconds > 0:
+            for name, router in routers.items():
+                if name in failed:
+                    continue
+                p6[name] = _run_async(_throughput(router.url, cfg.model, router.pid, args))
+            p6["direct"] = _run_async(_throughput(stack.worker_urls[0], cfg.model, None, args))
+        for router in routers.values():
+            if router.peer is not None:
+                router.peer.stop()
+        log_dir_used = str(stack.log_dir)
+
+    rows = {name: _summarize(name, ph, args) for name, ph in phases.items()}
+    for name, router in routers.items():
+        if name in rows:
+            rows[name]["note"] = router.note
+    smg_row = rows.get(SMG)
+    if smg_row is not None and smg_row["pairs"] < MIN_PAIRS:
+        smg_row = None
+    for row in rows.values():
+        row["checks"] = _p5_checks(row, smg_row)
+        row["ok"] = all(row["checks"].values())
+    kv = rows.get(KVROUTE)
+    sane = (
+        kv is not None
+        and kv["pairs"] >= MIN_PAIRS
+        and kv["errors"] == 0
+        and kv["slots_skipped"] <= MAX_SKIPPED * kv["slots"]
+        and (kv["direct_ttft_p50_ms"] or 0) > 0
     )
-    kv, sg = lat["kvroute"], lat.get("sglang-cache_aware")
-    result = {
-        "added_latency_p50_ms": kv["added_latency_p50_ms"],
-        "added_latency_p99_ms": kv["added_latency_p99_ms"],
-        "tokenize_followup_ratio": tok["tokenize_followup_ratio"],
-        "proxy_rps": tput["kvroute"]["rps"],
-        "proxy_rps_per_core": tput["kvroute"]["rps_per_core"],
-        "sglang_added_latency_p50_ms": sg["added_latency_p50_ms"] if sg else None,
-        "sglang_added_latency_p99_ms": sg["added_latency_p99_ms"] if sg else None,
-        "sglang_proxy_rps": tput.get("sglang-cache_aware", {}).get("rps"),
-        "sglang_proxy_rps_per_core": tput.get("sglang-cache_aware", {}).get("rps_per_core"),
-        "latency": lat,
-        "throughput": tput,
+    targets = kv["checks"] if kv is not None else dict.fromkeys(_p5_checks({}, None), False)
+    if smg_row is None:
+        reason = missing.get(SMG) or failed.get(SMG) or f"{SMG} not measured"
+        targets_note = f"checks against smg fail: {reason}"
+    else:
+        targets_note = ""
+
+    result: dict[str, Any] = {
+        "benchmark": NAME,
+        "config": {k: getattr(args, k) for k in CONFIG_KEYS},
+        "systems": rows,
+        "missing": missing,
+        "failed": failed,
+        "added_latency_p50_ms": kv["added_p50_ms"] if kv else None,
+        "added_latency_p99_ms": kv["added_p99_ms"] if kv else None,
+        "smg_added_latency_p50_ms": rows[SMG]["added_p50_ms"] if SMG in rows else None,
+        "smg_added_latency_p99_ms": rows[SMG]["added_p99_ms"] if SMG in rows else None,
+        "targets": targets,
+        "targets_note": targets_note,
+        "sane": sane,
+        "log_dir": log_dir_used,
+        "seconds": round(time.monotonic() - t_start, 1),
     }
-    if result["sglang_proxy_rps_per_core"] and result["proxy_rps_per_core"]:
-        result["rps_per_core_vs_sglang"] = round(
-            result["proxy_rps_per_core"] / result["sglang_proxy_rps_per_core"], 3
+    if p6:
+        kv6, sg6 = p6.get(KVROUTE, {}), p6.get(SMG, {})
+        a, b = kv6.get("rps_per_cpu_s"), sg6.get("rps_per_cpu_s")
+        result["p6"] = {
+            "runs": p6,
+            "rps_per_cpu_s_vs_smg": round(a / b, 3) if a and b else None,
+            "ok": bool(a and b and a >= b),
+        }
+    if args.tokenize_repeats > 0:
+        from loadtest.benchmarks import tokenize as tok_bench
+
+        tok = tok_bench.run(
+            argparse.Namespace(
+                tokens=8000,
+                repeats=args.tokenize_repeats,
+                template="deepseek-v3",
+                reply_words=200,
+                user_words=60,
+                seed=7,
+            )
         )
+        result["tokenize_followup_ratio"] = tok["tokenize_followup_ratio"]
+    result["ok"] = bool(sane and all(targets.values()))
     result["table"] = [
         {
-            "router": name,
-            "added p50 (ms)": v["added_latency_p50_ms"],
-            "added p99 (ms)": v["added_latency_p99_ms"],
-            "direct TTFT p50 (ms)": v["direct_ttft_p50_ms"],
-            "req/s": tput.get(name, {}).get("rps"),
-            "req/s per core": tput.get(name, {}).get("rps_per_core"),
+            "system": name,
+            "pairs": r["pairs"],
+            "direct TTFT p50 ms": r["direct_ttft_p50_ms"],
+            "added p50 ms": r["added_p50_ms"],
+            "added p99 ms": r["added_p99_ms"],
+            "dist p50/p99 ms": f"{r['added_dist_p50_ms']}/{r['added_dist_p99_ms']}",
+            "req/CPU-s": r["requests_per_cpu_s"],
+            "P6 req/CPU-s": p6.get(name, {}).get("rps_per_cpu_s"),
+            "P5 ok": r["ok"],
         }
-        for name, v in lat.items()
+        for name, r in rows.items()
+    ] + [
+        {"system": name, "P5 ok": f"{why}: {msg[:60]}"}
+        for why, names in (("missing", missing), ("failed", failed))
+        for name, msg in names.items()
+        if name not in rows
     ]
-    result["ok"] = True
     json.dumps(result)
     return result

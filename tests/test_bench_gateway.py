@@ -1,0 +1,228 @@
+"""``kvroute bench gateway`` (P5, P6): the helpers on their own, and the whole benchmark at a
+seconds-long size through the same dispatcher as the command line, so it cannot rot. The
+figures are checked for shape and sanity, not against the targets (this machine is shared)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest import benchmarks
+from loadtest.benchmarks import gateway as gw
+from loadtest.harness import HarnessError
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _installed(package: str) -> bool:
+    try:
+        importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _args(**over: Any) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    gw.add_arguments(parser)
+    args = parser.parse_args([])
+    for k, v in over.items():
+        setattr(args, k, v)
+    return args
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def test_pct_interpolates() -> None:
+    xs = [float(i) for i in range(101)]
+    random.Random(0).shuffle(xs)
+    assert gw._pct(xs, 0.5) == 50.0
+    assert gw._pct(xs, 0.99) == pytest.approx(99.0)
+    assert gw._pct([1.0, 2.0], 0.5) == 1.5
+    assert math.isnan(gw._pct([], 0.5))
+
+
+def test_p5_checks_against_smg() -> None:
+    smg = {"added_p50_ms": 0.8, "added_p99_ms": 2.0}
+    assert gw._p5_checks({"added_p50_ms": 0.7, "added_p99_ms": 3.9}, smg) == {
+        "p50_le_1ms": True,
+        "p50_le_smg": True,
+        "p99_le_2x_smg": True,
+    }
+    assert gw._p5_checks({"added_p50_ms": 0.9, "added_p99_ms": 4.1}, smg) == {
+        "p50_le_1ms": True,
+        "p50_le_smg": False,
+        "p99_le_2x_smg": False,
+    }
+    # smg missing: only the checks that need it fail
+    assert gw._p5_checks({"added_p50_ms": 0.5, "added_p99_ms": 1.0}, None) == {
+        "p50_le_1ms": True,
+        "p50_le_smg": False,
+        "p99_le_2x_smg": False,
+    }
+    assert not any(gw._p5_checks({}, smg).values())
+
+
+def test_twins_have_one_shape_and_different_words() -> None:
+    args = _args(conversations=5, user_tokens=20, direct_every=2)
+    twins, solos = gw._make_conversations(args, ["http://w0", "http://w1"], "s", 1000)
+    assert len(twins) == 3 and len(solos) == 2  # one in --direct-every has a direct twin
+    assert all(p.direct is None for p in solos)
+    assert [p.fixed_worker for p in twins] == ["http://w0", "http://w1", "http://w0"]
+    for p in twins:
+        a, b = p.routed.messages, p.direct.messages if p.direct else []
+        assert [m["role"] for m in a] == [m["role"] for m in b] == ["system", "user"]
+        assert [len(m["content"].split()) for m in a] == [len(m["content"].split()) for m in b]
+        assert a[0]["content"] != b[0]["content"] and a[1]["content"] != b[1]["content"]
+        assert 800 <= len(a[0]["content"].split()) <= 1000
+    # a shared head, then each conversation its own history
+    convs = [c for p in twins + solos for c in (p.routed, p.direct) if c is not None]
+    assert len({" ".join(c.messages[0]["content"].split()[:200]) for c in convs}) == 1
+    assert len({c.messages[0]["content"] for c in convs}) == len(convs) == 8
+    # every conversation a twin with --direct-every 1
+    twins, solos = gw._make_conversations(_args(conversations=4, direct_every=1), ["w"], "s", 99)
+    assert len(twins) == 4 and not solos
+    # a new turn: the reply and a new user message appended, nothing resent as is
+    conv = convs[0]
+    before = [dict(m) for m in conv.messages]
+    gw._next_turn(conv, " the the", args.user_tokens)
+    assert conv.messages[:2] == before
+    assert conv.messages[2] == {"role": "assistant", "content": " the the"}
+    assert conv.messages[3]["role"] == "user" and len(conv.messages[3]["content"].split()) == 20
+    body = json.loads(gw._body("m", conv, 8))
+    assert body["stream"] is True and body["model"] == "m" and body["messages"] == conv.messages
+
+
+def test_chats_grow_through_the_prompt_size() -> None:
+    args = _args()  # the full size: 100 req/s, 48 conversations, 21 s per phase
+    runner = gw.P5Runner(args, ["http://w"], "m", session=None)  # type: ignore[arg-type]
+    turns = args.rate * (args.duration + args.warmup) / args.conversations
+    end = runner.start_words + turns * (args.user_tokens + args.max_tokens + 8)
+    assert 0.8 * args.prompt_tokens < runner.start_words < args.prompt_tokens < end
+    assert end < 1.2 * args.prompt_tokens
+
+
+def test_missing_and_failing_peers_are_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    class FakeProc:
+        pid = 4242
+
+    class FakeStack:
+        def __init__(self) -> None:
+            self.gateway_urls = ["http://gw"]
+            self.gateways = [FakeProc()]
+            self.log_dir = tmp_path
+
+        def gateway_pids(self, g: int) -> list[int]:
+            return [4242]
+
+        def add_process(self, proc: Any) -> Any:
+            return proc
+
+    class DeadPeer:
+        proc = FakeProc()
+        url = "http://peer"
+
+        def wait_ready(self) -> float:
+            raise HarnessError("exited")
+
+        def stop(self) -> None:
+            pass
+
+    def fake_launch(name: str, pool: Any, log_dir: Any) -> Any:
+        if name == gw.SMG:
+            raise gw.PeerNotInstalled("smg: the smg package is not installed")
+        return DeadPeer()
+
+    monkeypatch.setattr(gw, "pool_from_stack", lambda stack: None)
+    monkeypatch.setattr(gw, "launch", fake_launch)
+    routers, missing, failed = gw._start_routers(
+        FakeStack(),  # type: ignore[arg-type]
+        [gw.KVROUTE, gw.SMG, gw.VLLM_ROUTER],
+    )
+    assert list(routers) == [gw.KVROUTE] and routers[gw.KVROUTE].pid == 4242
+    assert set(missing) == {gw.SMG} and "not installed" in missing[gw.SMG]
+    assert set(failed) == {gw.VLLM_ROUTER} and "exited" in failed[gw.VLLM_ROUTER]
+
+
+def test_unknown_system_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        gw._systems(_args(systems="kvroute,nope"))
+
+
+# -- the benchmark at a seconds-long size --------------------------------------------------------
+
+
+def test_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    systems = [gw.KVROUTE, gw.SMG, gw.VLLM_ROUTER]
+    parser = argparse.ArgumentParser()
+    benchmarks.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "gateway", "--json", "--duration", "3", "--rate", "20", "--warmup", "0.5",
+            "--rounds", "1", "--conversations", "8", "--throughput-seconds", "1",
+            "--concurrency", "4", "--tokenize-repeats", "0", "--systems", ",".join(systems),
+        ]
+    )  # fmt: skip
+    code = benchmarks.run(args)
+    r: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert isinstance(r["ok"], bool) and code == (0 if r["ok"] else 1)
+    assert r["ok"] == (r["sane"] and all(r["targets"].values()))
+    assert set(r["targets"]) == {"p50_le_1ms", "p50_le_smg", "p99_le_2x_smg"}
+    assert r["config"]["rate"] == 20 and r["config"]["prompt_tokens"] == 8000
+
+    # every system either measured or named as missing
+    assert set(r["systems"]) | set(r["missing"]) | set(r["failed"]) == set(systems)
+    assert gw.KVROUTE in r["systems"]
+    for pkg, name in (("smg", gw.SMG), ("vllm-router", gw.VLLM_ROUTER)):
+        if _installed(pkg):
+            assert name in r["systems"], r["failed"]
+        else:
+            assert name in r["missing"]
+            assert r["systems"].get(name) is None
+    if gw.SMG not in r["systems"]:
+        assert r["targets"]["p50_le_smg"] is False and "smg" in r["targets_note"]
+
+    for name, s in r["systems"].items():
+        assert s["errors"] == 0, s["error_examples"]
+        assert s["pairs"] >= 15, s  # ~30 twin arrivals in 3 s (10/s), after the warm-up
+        # one arrival in 2 a twin pair (routed + direct), the others routed alone
+        assert s["routed_requests"] == s["slots"] - s["slots_skipped"]
+        assert 0.3 * s["routed_requests"] < s["direct_requests"] < 0.7 * s["routed_requests"]
+        assert s["routed_alone_ttft_p50_ms"] > 0
+        for key in ("added_p50_ms", "added_p99_ms", "added_dist_p50_ms", "added_dist_p99_ms"):
+            assert isinstance(s[key], float) and math.isfinite(s[key]), (name, key, s[key])
+        assert 0 < s["direct_ttft_p50_ms"] <= s["direct_ttft_p99_ms"]
+        assert 0 < s["routed_ttft_p50_ms"] <= s["routed_ttft_p99_ms"]
+        assert s["added_p50_ms"] <= s["added_p99_ms"]
+        # new turns of ~8,000-token chats, each with its own previous turn cached
+        assert 7000 < s["prompt_tokens_mean"] < 9000
+        assert s["prompt_tokens_max"] > s["prompt_tokens_min"]
+        assert s["cached_fraction_routed"] > 0.9 and s["cached_fraction_direct"] > 0.9
+        assert s["in_flight_max"] >= 2  # routed and direct overlap
+        assert s["requests_per_cpu_s"] > 0 and s["router_cpu_s"] > 0
+        assert set(s["checks"]) == set(r["targets"]) and s["ok"] == all(s["checks"].values())
+        assert s["direct_to"].startswith("the one worker")
+    kv = r["systems"][gw.KVROUTE]
+    assert r["added_latency_p50_ms"] == kv["added_p50_ms"]
+    assert r["targets"] == kv["checks"]
+
+    p6 = r["p6"]
+    assert set(p6["runs"]) == {*r["systems"], "direct"}
+    for name, run in p6["runs"].items():
+        assert run["rps"] > 0 and run["errors"] == 0, (name, run)
+        if name != "direct":
+            assert run["rps_per_cpu_s"] > 0
+    assert isinstance(p6["ok"], bool)
+
+    rows = {row["system"]: row for row in r["table"]}
+    assert set(rows) == set(systems)
