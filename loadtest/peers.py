@@ -61,9 +61,6 @@ __all__ = [
     "launch",
     "peer_spec",
     "pool_from_stack",
-    "sglang_router",
-    "sglang_router_binary",
-    "wait_router_ready",
 ]
 
 BENCH_EXTRA = "pip install 'kvroute[bench]' (scripts/setup installs it)"
@@ -441,57 +438,6 @@ def pool_from_stack(stack: Stack) -> Pool:
         stack.config.block_size,
         sources if all(e for e, _ in sources) else [],
     )
-
-
-# -- the historical sglang-router helpers (kept for ``kvroute bench gateway``) ------------------
-
-
-def sglang_router_binary() -> str:
-    """Path of the ``sglang-router`` command (next to this interpreter first)."""
-    return _binary("sglang-router", "sglang_router")
-
-
-def sglang_router(
-    worker_urls: list[str], policy: str, log_dir: Path, name: str = ""
-) -> tuple[ChildProcess, str]:
-    """A started-later sglang-router 0.3.2 process and its base URL (historical peer)."""
-    pool = Pool(list(worker_urls), "", "", 16)
-    spec = PeerSpec(f"sglang-router-{policy}", "sglang-router", policy)
-    peer = SglangRouterPeer(spec, pool, log_dir, label=name or f"sglang-{policy}")
-    return peer.proc, peer.url
-
-
-def wait_router_ready(proc: ChildProcess, url: str, workers: int, timeout: float = 60.0) -> None:
-    """Until the router at ``url`` (started as ``proc``) listens and knows ``workers`` workers
-    (``/readiness``, ``/list_workers`` or ``/workers``, whichever it serves)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise HarnessError(f"{proc.name} exited:\n{proc.tail()}")
-        if _workers_known(url) >= workers:
-            return
-        time.sleep(0.05)
-    raise HarnessError(f"{proc.name} not ready in {timeout}s:\n{proc.tail()}")
-
-
-def _workers_known(url: str) -> int:
-    for path in ("/readiness", "/list_workers", "/workers"):
-        try:
-            with urllib.request.urlopen(url + path, timeout=2) as resp:
-                data = json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            if exc.code == 503:
-                return 0
-            continue
-        except (urllib.error.URLError, OSError, ValueError):
-            return 0
-        if isinstance(data, dict):
-            if isinstance(data.get("healthy_workers"), int):
-                return int(data["healthy_workers"])
-            for key in ("workers", "urls"):
-                if isinstance(data.get(key), list):
-                    return len(data[key])
-    return 0
 
 
 def _binary(script: str, module: str) -> str:
