@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 
@@ -105,3 +105,21 @@ def test_string_settings_from_env_and_flags_stay_verbatim() -> None:
     assert c.redis.url == "true" and c.port == 9300
     assert c.pools[0].model == "0x1F" and c.pools[0].tokenizer == "null"
     assert load_config(Conf, overrides={"labels": "{a: b}"}).labels == {"a": "b"}
+
+
+def test_untyped_values_from_flags_are_parsed() -> None:
+    """``dict[str, Any]`` settings (workload and policy parameters) get numbers and lists
+    from ``--set``, not their text; typed string settings stay verbatim."""
+    @dataclass
+    class C:
+        params: dict[str, Any] = field(default_factory=dict)
+        secret: str = ""
+
+    got = load_config(
+        C,
+        env={},
+        overrides=parse_assignments(
+            ["params.n=400", "params.turns=[2, 3]", "params.name=x", "secret=0x1F"]
+        ),
+    )
+    assert got.params == {"n": 400, "turns": [2, 3], "name": "x"} and got.secret == "0x1F"
