@@ -110,6 +110,7 @@ def test_string_settings_from_env_and_flags_stay_verbatim() -> None:
 def test_untyped_values_from_flags_are_parsed() -> None:
     """``dict[str, Any]`` settings (workload and policy parameters) get numbers and lists
     from ``--set``, not their text; typed string settings stay verbatim."""
+
     @dataclass
     class C:
         params: dict[str, Any] = field(default_factory=dict)

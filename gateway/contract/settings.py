@@ -167,9 +167,7 @@ def _strip_optional(tp: Any) -> Any:
 def _build(tp: Any, value: Any, where: str) -> Any:
     name = where or "<root>"
     if isinstance(value, _Raw):
-        if tp is str or (
-            get_origin(tp) in (typing.Union, types.UnionType) and str in get_args(tp)
-        ):
+        if tp is str or (get_origin(tp) in (typing.Union, types.UnionType) and str in get_args(tp)):
             return str(value)
         # any other type, untyped values (``Any``: workload and policy parameters) included,
         # is parsed: ``--set params.turns=[2,3]`` is a list, ``policy_params.x=1`` a number
