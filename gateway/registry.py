@@ -147,13 +147,12 @@ class Registry:
         """Each pool's engine block size, from its workers' registrations: the engines reuse
         whole engine blocks only, and an agent learns its engine's size after it registers
         (vLLM says it in ``/metrics``). A pool's engines share one size; take the coarsest."""
-        sizes: dict[int, int] = {}
-        for e in self.workers.values():
-            if e.info is not None:
-                key = id(e.pool)
-                sizes[key] = max(sizes.get(key, 1), e.info.engine_block_size)
-        for pool in {id(e.pool): e.pool for e in self.workers.values()}.values():
-            pool.router.engine_block_size = sizes.get(id(pool), 1)
+        for pool in self.pools:
+            pool.router.engine_block_size = max(
+                (e.info.engine_block_size for e in self.workers.values()
+                 if e.pool is pool and e.info is not None),
+                default=1,
+            )  # fmt: skip
 
     def _pool_of(self, info: WorkerInfo) -> Pool | None:
         return self._by_model.get(info.pool) or self._by_model.get(info.model)

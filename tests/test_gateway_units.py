@@ -308,4 +308,4 @@ def test_pool_engine_block_size_follows_the_registrations() -> None:
     reg.sync({"w0": info("w0", 32), "w1": info("w1", 32)})  # learned from the engine
     assert router.engine_block_size == 32
     reg.sync({})
-    assert router.engine_block_size == 32  # no worker left: nothing to change it to
+    assert router.engine_block_size == 1  # no worker left: any canonical boundary
