@@ -29,6 +29,7 @@ from aiohttp import web
 from gateway.config import ProxySettings
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
+from gateway.pinning import pin_rank
 from gateway.pool import Pool, Prepared
 from gateway.registry import Registry
 from gateway.requests import ClientRequest
@@ -228,6 +229,9 @@ class Proxy:
         # One deadline covers the response headers and the first body chunk: engines send
         # nothing at all until their first token, so a stuck worker stalls in post().
         deadline = asyncio.get_running_loop().time() + self.settings.first_byte_timeout
+        if entry.info is not None and entry.info.dp_rank is not None:
+            body, headers = pin_rank(entry.info.engine, entry.info.dp_rank, body, creq.body,
+                                     headers)  # fmt: skip
         try:
             try:
                 async with asyncio.timeout_at(deadline):

@@ -74,6 +74,14 @@ def check_upstream_url(url: str, allowed: list[str]) -> str | None:
     return f"host {host!r} is not in security.allowed_upstreams"
 
 
+def _check_rank(info: WorkerInfo) -> str | None:
+    """Why a registration's data-parallel rank cannot be pinned to (None: it can)."""
+    rank = info.dp_rank
+    if rank is None or 0 <= rank < info.dp_size:
+        return None
+    return f"dp_rank {rank} is out of range [0, {info.dp_size})"
+
+
 class Registry:
     def __init__(
         self, pools: list[Pool], circuit: CircuitSettings, allowed_upstreams: list[str]
@@ -121,7 +129,7 @@ class Registry:
             if pool is None:
                 self.rejected[wid] = f"serves model {info.model!r}, which no pool serves"
                 continue
-            why = check_upstream_url(info.url, self.allowed)
+            why = check_upstream_url(info.url, self.allowed) or _check_rank(info)
             if why is not None:
                 if self.rejected.get(wid) != why:
                     log.warning("ignoring registration of %s (%s): %s", wid, info.url, why)

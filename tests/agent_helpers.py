@@ -438,20 +438,29 @@ async def running_consumer(redis_url: str) -> Any:
 
 async def settle(consumer: Any, agents: list[Any], within: float = 10.0) -> None:
     """Until the consumer applied everything each agent published and its index equals
-    every agent's mirror."""
+    every agent's mirror (every cache domain's: one per data-parallel rank)."""
 
-    def caught_up(a: Any) -> bool:
-        cur = consumer.applier.cursors.get(a.config.worker_id)
-        pub = a.publisher
+    def caught_up(a: Any, wid: str, pub: Any, keys: frozenset[int]) -> bool:
+        cur = consumer.applier.cursors.get(wid)
         return (
             pub.idle.is_set()
             and cur is not None
             and cur.epoch == a.epoch
             and cur.seq == pub.seq
-            and consumer.index.worker_keys(a.config.worker_id) == a.mirror_keys()
+            and consumer.index.worker_keys(wid) == keys
         )
 
-    await wait_until(lambda: all(caught_up(a) for a in agents), within, "consumer == mirrors")
+    def all_caught_up() -> bool:
+        for a in agents:
+            domains = a.domains or []
+            if not domains and not caught_up(a, a.config.worker_id, a.publisher, a.mirror_keys()):
+                return False
+            for d in domains:
+                if not caught_up(a, d.worker_id, d.publisher, d.pipeline.mirror.keys()):
+                    return False
+        return True
+
+    await wait_until(all_caught_up, within, "consumer == mirrors")
 
 
 async def drive(engine: FakeEngine, steps: int, evict: float = 0.3, batch: int = 3) -> None:

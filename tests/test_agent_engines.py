@@ -212,22 +212,45 @@ async def test_discovered_dp_ranks_and_load_reports(
             for e in engines:
                 await e.publish(e.store_events(shared))
                 await drive(e, 5)
-            expected = engines[0].expected_keys(keyer) | engines[1].expected_keys(keyer)
-            await wait_until(lambda: agent.mirror_keys() == expected, 10, "union of ranks")
-            # one rank evicting the shared prefix leaves the other holding it
+            # each rank is a cache domain of its own: w1.dp0 and w1.dp1
+            assert [d.worker_id for d in agent.domains] == ["w1.dp0", "w1.dp1"]
+            exp = [e.expected_keys(keyer) for e in engines]
+            await wait_until(
+                lambda: [agent.mirror_keys(r) for r in (0, 1)] == exp, 10, "each rank's keys"
+            )
+            # one rank's clear leaves the other holding everything it held
             await engines[0].publish(engines[0].clear_events())
-            expected = engines[1].expected_keys(keyer)
-            await wait_until(lambda: agent.mirror_keys() == expected, 10, "rank 0 cleared")
-            assert set(keyer.keys(shared)) <= agent.mirror_keys()
+            await wait_until(lambda: agent.mirror_keys(0) == frozenset(), 10, "rank 0 cleared")
+            assert agent.mirror_keys(1) == exp[1] and set(keyer.keys(shared)) <= exp[1]
             await settle(consumer, [agent])
-            info = consumer.workers()["w1"]
-            assert (info.engine, info.dp_size, info.engine_block_size) == ("sglang", 2, 1)
-            await wait_until(lambda: consumer.workers()["w1"].kv_capacity_blocks == 20000, 5)
-            await wait_until(lambda: consumer.report("w1") is not None, 5, "load report")
-            rep = consumer.report("w1")
-            assert rep is not None and (rep.running, rep.waiting) == (5, 7)
-            state["metrics"] = SGLANG_METRICS.replace(" 5\n", " 9\n", 1)
-            await wait_until(lambda: consumer.report("w1").running == 9, 5, "fresh report")  # type: ignore[union-attr]
+            assert consumer.index.worker_keys("w1.dp0") == frozenset()
+            assert consumer.index.worker_keys("w1.dp1") == exp[1]
+            workers = consumer.workers()
+            assert "w1" not in workers
+            for r in (0, 1):
+                info = workers[f"w1.dp{r}"]
+                assert (info.engine, info.dp_size, info.dp_rank, info.engine_id) == (
+                    "sglang", 2, r, "w1",
+                )  # fmt: skip
+                assert info.engine_block_size == 1
+            # SGLANG_METRICS carry no dp_rank label: the worker's load is shared by its ranks
+            await wait_until(
+                lambda: consumer.workers()["w1.dp1"].kv_capacity_blocks == 10000, 5, "capacity"
+            )
+            await wait_until(lambda: consumer.report("w1.dp1") is not None, 5, "load report")
+            rep = consumer.report("w1.dp1")
+            assert rep is not None and (rep.running, rep.waiting) == (3, 4)  # ceil(5/2), ceil(7/2)
+            # labelled per rank: each rank reports its own series
+            state["metrics"] = "".join(
+                SGLANG_METRICS.replace('tp_rank="0"', f'tp_rank="0",dp_rank="{r}"')
+                .replace(" 5\n", f" {9 + r}\n", 1)
+                for r in (0, 1)
+            )
+            await wait_until(
+                lambda: [consumer.report(f"w1.dp{r}").running for r in (0, 1)] == [9, 10],  # type: ignore[union-attr]
+                5,
+                "per-rank reports",
+            )
     finally:
         for e in engines:
             await e.close()

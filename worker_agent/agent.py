@@ -6,6 +6,12 @@ entry of an epoch is a clear, and the registration waits (briefly) for it to be 
 Every loop is supervised: an unexpected error is logged and the loop restarts, so the
 agent keeps running whatever the engine or the bus does. Graceful stop (SIGTERM in the CLI)
 flushes what is buffered and deregisters the worker.
+
+An engine with several data-parallel ranks holds one prefix cache per rank. Each rank is
+then published as a cache domain of its own (``Domain``): worker id ``<worker>.dp<r>``, its
+own stream, epoch sequence, snapshot, registration (``WorkerInfo.dp_rank``) and load report,
+so the gateway indexes, loads and routes each rank separately and pins requests to it; a
+rank's restart clears that rank only.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from gateway.contract.bus import BusError, EventBus, wait_event
-from gateway.contract.wire import Cleared, WorkerInfo, key_digest
+from gateway.contract.wire import Cleared, EngineReport, WorkerInfo, key_digest
 from gateway.routing.keys import BlockKeyer
 from worker_agent.config import AgentConfig
 from worker_agent.engines import adapter_for
@@ -31,15 +37,17 @@ from worker_agent.engines.base import (
     DiscoveryError,
     EngineAdapter,
     EventSource,
+    Samples,
     endpoint_for_rank,
     parse_metrics,
+    rank_samples,
 )
 from worker_agent.metrics import AgentMetrics
 from worker_agent.pipeline import EventPipeline
 from worker_agent.publisher import Publisher
 from worker_agent.subscriber import RankSubscriber
 
-__all__ = ["Agent"]
+__all__ = ["Agent", "Domain", "rank_worker_id"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,23 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Capacity:
     tokens: int | None = None
+
+
+def rank_worker_id(worker_id: str, rank: int) -> str:
+    """The worker id under which data-parallel rank ``rank`` of ``worker_id`` is published."""
+    return f"{worker_id}.dp{rank}"
+
+
+@dataclass
+class Domain:
+    """One prefix cache this agent publishes: the whole engine, or one data-parallel rank
+    (``rank`` set) of an engine with several."""
+
+    worker_id: str
+    rank: int | None
+    publisher: Publisher
+    pipeline: EventPipeline
+    capacity: _Capacity
 
 
 class Agent:
@@ -65,7 +90,8 @@ class Agent:
         self.publisher = Publisher(
             bus, config.worker_id, self.epoch, self._parents, self.metrics, config.publish
         )
-        self.pipeline: EventPipeline | None = None
+        self.pipeline: EventPipeline | None = None  # the first domain's
+        self.domains: list[Domain] = []
         self.subscribers: list[RankSubscriber] = []
         self.ready = asyncio.Event()  # subscribed, initial replay done, first entry written
         self.engine_block_size: int | None = config.engine.block_size
@@ -73,12 +99,49 @@ class Agent:
         self._session: aiohttp.ClientSession | None = None
         self._stopping = False  # loops end at their next iteration
 
-    def mirror_keys(self) -> frozenset[int]:
-        """The canonical keys published for this worker (what consumers must hold)."""
-        return frozenset() if self.pipeline is None else self.pipeline.mirror.keys()
+    def mirror_keys(self, rank: int | None = None) -> frozenset[int]:
+        """The canonical keys published for this worker, or for data-parallel rank ``rank``
+        of it (what consumers must hold)."""
+        for d in self.domains:
+            if rank is None or d.rank == rank:
+                return d.pipeline.mirror.keys()
+        return frozenset()
 
     def _parents(self) -> dict[int, int | None]:
         return {} if self.pipeline is None else self.pipeline.mirror.parent
+
+    def _build_domains(self, sources: list[EventSource]) -> None:
+        """One domain for a one-rank engine (the agent's worker id), else one per rank."""
+        cfg = self.config
+        ranks = [s.rank for s in sources]
+        for r in ranks if len(ranks) > 1 else [None]:
+            built: list[EventPipeline] = []  # the snapshot source, once built
+            if r is None:
+                wid, pub = cfg.worker_id, self.publisher
+            else:
+                wid = rank_worker_id(cfg.worker_id, r)
+                pub = Publisher(
+                    self.bus,
+                    wid,
+                    self.epoch,
+                    lambda b=built: b[0].mirror.parent if b else {},
+                    self.metrics,
+                    cfg.publish,
+                )
+            pipeline = EventPipeline(
+                self.keyer,
+                pub.add,
+                self.metrics,
+                ranks=ranks if r is None else [r],
+                gpu_media=self.adapter.gpu_media,
+            )
+            built.append(pipeline)
+            self.domains.append(Domain(wid, r, pub, pipeline, _Capacity()))
+        self.pipeline = self.domains[0].pipeline
+        self.publisher = self.domains[0].publisher
+
+    def _domain_of(self, rank: int) -> Domain:
+        return next((d for d in self.domains if d.rank in (None, rank)), self.domains[0])
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -92,19 +155,19 @@ class Agent:
             sources = await self._sources(stop)
             if sources is None:
                 return
-            self.pipeline = EventPipeline(
-                self.keyer,
-                self.publisher.add,
-                self.metrics,
-                ranks=[s.rank for s in sources],
-                gpu_media=self.adapter.gpu_media,
-            )
-            self.publisher.add([Cleared()], sources[0].rank, -1, time.time())
+            self._build_domains(sources)
+            for d in self.domains:
+                first = sources[0].rank if d.rank is None else d.rank
+                d.publisher.add([Cleared()], first, -1, time.time())
             self.subscribers = [
-                RankSubscriber(ctx, s, self.pipeline, self.metrics, cfg.engine.replay_timeout)
+                RankSubscriber(
+                    ctx, s, self._domain_of(s.rank).pipeline, self.metrics,
+                    cfg.engine.replay_timeout,
+                )  # fmt: skip
                 for s in sources
             ]
-            tasks.append(self._spawn("publisher", self.publisher.run))
+            for d in self.domains:
+                tasks.append(self._spawn(f"publisher-{d.worker_id}", d.publisher.run))
             for sub in self.subscribers:
                 tasks.append(self._spawn(f"subscriber-{sub.source.rank}", sub.run))
             tasks.append(self._spawn("heartbeat", self._heartbeat_loop))
@@ -119,7 +182,8 @@ class Agent:
             await self._shutdown(tasks)
         finally:
             self._stopping = True
-            self.publisher.close()
+            for pub in {self.publisher, *(d.publisher for d in self.domains)}:
+                pub.close()
             for t in tasks:
                 t.cancel()
             if tasks:  # bounded: a client library may swallow a cancellation
@@ -130,7 +194,9 @@ class Agent:
             ctx.destroy(linger=0)
 
     async def _wait_ready(self, stop: asyncio.Event) -> None:
-        events = [s.connected for s in self.subscribers] + [self.publisher.started]
+        events = [s.connected for s in self.subscribers] + [
+            d.publisher.started for d in self.domains
+        ]
         waiter: asyncio.Future[Any] = asyncio.ensure_future(
             asyncio.gather(*(e.wait() for e in events))
         )
@@ -147,13 +213,14 @@ class Agent:
         for t in tasks:
             if t.get_name().startswith("subscriber"):
                 t.cancel()
-        if not await self.publisher.flush(within=3.0):
-            log.warning("shutting down with unpublished events (bus unavailable)")
-        try:
-            await self.bus.deregister(self.config.worker_id)
-            log.info("deregistered worker %s", self.config.worker_id)
-        except BusError as exc:
-            log.warning("could not deregister (registration will lapse): %s", exc)
+        for d in self.domains:
+            if not await d.publisher.flush(within=3.0):
+                log.warning("shutting down with unpublished events (bus unavailable)")
+            try:
+                await self.bus.deregister(d.worker_id)
+                log.info("deregistered worker %s", d.worker_id)
+            except BusError as exc:
+                log.warning("could not deregister (registration will lapse): %s", exc)
 
     def _spawn(self, name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         return asyncio.create_task(self._supervise(name, loop), name=name)
@@ -219,13 +286,17 @@ class Agent:
 
     # -- registration and load --------------------------------------------------------------
 
-    def worker_info(self) -> WorkerInfo:
+    def worker_info(self, domain: Domain | None = None) -> WorkerInfo:
+        """The registration of ``domain`` (default: the first; the whole worker if it has
+        one rank)."""
         cfg = self.config
+        d = domain or (self.domains[0] if self.domains else None)
         cap = cfg.kv_capacity_blocks
-        if cap is None and self._capacity.tokens:
-            cap = self._capacity.tokens // cfg.block_size
+        tokens = self._capacity.tokens if d is None or d.rank is None else d.capacity.tokens
+        if cap is None and tokens:
+            cap = tokens // cfg.block_size
         return WorkerInfo(
-            worker_id=cfg.worker_id,
+            worker_id=cfg.worker_id if d is None else d.worker_id,
             url=cfg.worker_url or cfg.engine.url,
             model=cfg.model,
             pool=cfg.pool or cfg.model,
@@ -234,6 +305,8 @@ class Agent:
             block_size=cfg.block_size,
             kv_capacity_blocks=cap,
             dp_size=len(self.subscribers) or 1,
+            dp_rank=None if d is None else d.rank,
+            engine_id=cfg.worker_id if d is not None and d.rank is not None else "",
             labels=dict(cfg.labels),
             epoch=self.epoch,
             started_at=self.epoch / 1e6,
@@ -243,7 +316,8 @@ class Agent:
         await wait_event(self.publisher.started, 2.0)
         while not self._stopping:
             try:
-                await self.bus.register(self.worker_info(), self.config.registration_ttl)
+                for d in self.domains:
+                    await self.bus.register(self.worker_info(d), self.config.registration_ttl)
             except BusError:
                 self.metrics.publish_errors.inc()
                 self.metrics.heartbeats.labels("error").inc()
@@ -266,8 +340,8 @@ class Agent:
                     self.engine_block_size = (
                         self.adapter.block_size(samples) or self.engine_block_size
                     )
-                report = self.adapter.report(samples, time.time())
-                await self.bus.publish_report(self.config.worker_id, report, ttl)
+                for wid, report in self._reports(samples, time.time()):
+                    await self.bus.publish_report(wid, report, ttl)
                 failing = False
             except BusError:
                 self.metrics.publish_errors.inc()
@@ -278,6 +352,41 @@ class Agent:
                 failing = True
             elapsed = time.monotonic() - started
             await asyncio.sleep(max(0.0, self.config.report_interval - elapsed))
+
+    def _reports(self, samples: Samples, ts: float) -> list[tuple[str, EngineReport]]:
+        """One load report per domain: a rank's own series where the engine labels them per
+        rank, else the worker's load shared evenly among its ranks."""
+        ranked = [d for d in self.domains if d.rank is not None]
+        if not ranked:
+            return [(self.config.worker_id, self.adapter.report(samples, ts))]
+        ranks = [d.rank for d in ranked if d.rank is not None]
+        per_rank = rank_samples(samples, self.adapter.rank_label, ranks)
+        out = []
+        if per_rank is None:
+            whole = self.adapter.report(samples, ts)
+            n = len(ranked)
+            share = EngineReport(
+                running=-(-whole.running // n),
+                waiting=-(-whole.waiting // n),
+                kv_usage=whole.kv_usage,
+                waiting_prefill_tokens=None
+                if whole.waiting_prefill_tokens is None
+                else -(-whole.waiting_prefill_tokens // n),
+                prefix_cache_queries=whole.prefix_cache_queries // n,
+                prefix_cache_hits=whole.prefix_cache_hits // n,
+                ts=ts,
+            )
+            cap = self._capacity.tokens
+            for d in ranked:
+                d.capacity.tokens = None if cap is None else cap // n
+                out.append((d.worker_id, share))
+            return out
+        for d in ranked:
+            assert d.rank is not None
+            mine = per_rank[d.rank]
+            d.capacity.tokens = self.adapter.capacity_tokens(mine) or d.capacity.tokens
+            out.append((d.worker_id, self.adapter.report(mine, ts)))
+        return out
 
     async def _scrape(self) -> dict[str, list[tuple[str, float]]]:
         assert self._session is not None
@@ -296,11 +405,21 @@ class Agent:
 
         async def mirror(_: web.Request) -> web.Response:
             keys = self.mirror_keys()
+            domains = [
+                {
+                    "worker_id": d.worker_id,
+                    "rank": d.rank,
+                    "blocks": len(d.pipeline.mirror),
+                    "digest": key_digest(d.pipeline.mirror.keys()),
+                }
+                for d in self.domains
+            ]
             return web.json_response(
                 {
                     "worker_id": self.config.worker_id,
                     "blocks": len(keys),
                     "digest": key_digest(keys),
+                    "domains": domains,
                 }
             )
 

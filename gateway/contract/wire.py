@@ -117,7 +117,10 @@ class WorkerInfo:
     """A worker's registration record: what the gateway needs to route to it.
 
     ``epoch`` identifies the agent run that wrote it (entries of other epochs are stale).
-    ``kv_capacity_blocks`` is in canonical blocks (``block_size`` tokens each).
+    ``kv_capacity_blocks`` is in canonical blocks (``block_size`` tokens each). An engine
+    with several data-parallel ranks registers each rank as a worker of its own (one prefix
+    cache each): ``dp_rank`` is the rank the gateway pins requests to, ``engine_id`` the
+    engine (agent) it belongs to; both are unset for an engine with one rank.
     """
 
     worker_id: str
@@ -129,6 +132,8 @@ class WorkerInfo:
     block_size: int = 16
     kv_capacity_blocks: int | None = None
     dp_size: int = 1
+    dp_rank: int | None = None
+    engine_id: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     epoch: int = 0
     started_at: float = 0.0

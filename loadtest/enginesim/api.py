@@ -11,6 +11,7 @@ from __future__ import annotations
 import http
 from array import array
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -179,6 +180,35 @@ def check_prompt(tokens: bytes, max_tokens: int, max_model_len: int, vocab: int 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+class UnknownRank(ValueError):
+    """A request pinned to a data-parallel rank the engine does not have (vLLM: a 400)."""
+
+
+#: vLLM pins a request to a data-parallel rank with this header (case-insensitive)
+VLLM_DP_RANK_HEADER = "X-data-parallel-rank"
+#: SGLang pins with a request field (``data_parallel_rank`` before 0.5.x's rename)
+SGLANG_DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
+
+
+def pinned_rank(flavor: str, headers: Mapping[str, str], body: dict[str, Any]) -> int | None:
+    """The data-parallel rank a request is pinned to the engine's own way, or None."""
+    if flavor == "vllm":
+        raw: Any = headers.get(VLLM_DP_RANK_HEADER)
+        if raw is None:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            raise ApiError(400, f"{VLLM_DP_RANK_HEADER} must be an integer") from None
+    for name in SGLANG_DP_RANK_FIELDS:
+        raw = body.get(name)
+        if raw is not None:
+            if not _is_int(raw):
+                raise ApiError(400, f"{name} must be an integer", name)
+            return int(raw)
+    return None
 
 
 def check_model(body: dict[str, Any], models: set[str]) -> None:

@@ -25,6 +25,7 @@ __all__ = ["add_arguments", "build_config", "run"]
 # flag dest -> dotted config path
 _FLAGS: dict[str, str] = {
     "workers": "workers",
+    "dp_size": "dp_size",
     "base_port": "base_port",
     "host": "host",
     "admin_port": "admin_port",
@@ -49,6 +50,7 @@ _FLAGS: dict[str, str] = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--workers", type=int, help="number of simulated workers (default 1)")
+    a("--dp-size", type=int, help="data-parallel ranks per worker (default 1)")
     a("--base-port", type=int, help="worker i: HTTP P+i, events P+N+i, replay P+2N+i (0: any)")
     a("--host", help="address to listen on (default 127.0.0.1)")
     a("--admin-port", type=int, help="cluster admin API port (faults by worker index)")

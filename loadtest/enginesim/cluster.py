@@ -58,9 +58,9 @@ class SimCluster:
             )
         codec = TextCodec(tokenizer, cfg.output_text, tokenizer_path(cfg.tokenizer))
         self._zmq = zmq.asyncio.Context()
-        n, base = cfg.workers, cfg.base_port
+        n, d, base = cfg.workers, cfg.dp_size, cfg.base_port
         for i in range(n):
-            ports = (base + i, base + n + i, base + 2 * n + i) if base else (0, 0, 0)
+            ports = (base + i, base + n + i * d, base + n + n * d + i * d) if base else (0, 0, 0)
             worker = SimWorker(
                 i, cfg, codec, self._zmq,
                 http_port=ports[0], events_port=ports[1], replay_port=ports[2],

@@ -186,11 +186,13 @@ class EventsConfig:
 class SimConfig:
     """``workers`` simulated engines in one process.
 
-    Ports: with ``base_port`` P and N workers, worker i serves HTTP on P+i, publishes KV
-    events on P+N+i and answers replay on P+2N+i. ``base_port`` 0 picks free ports.
+    Ports: with ``base_port`` P, N workers and D data-parallel ranks, worker i serves HTTP on
+    P+i, rank r publishes KV events on P+N+i*D+r and answers replay on P+N+N*D+i*D+r (with
+    D = 1: P+N+i and P+2N+i). ``base_port`` 0 picks free ports.
     """
 
     workers: int = 1
+    dp_size: int = 1  # data-parallel ranks per worker: each its own core, cache and publisher
     host: str = "127.0.0.1"
     base_port: int = 0
     admin_port: int | None = None  # cluster admin API (faults by worker index); 0 = any port
@@ -210,10 +212,11 @@ class SimConfig:
         _positive(
             "sim",
             workers=self.workers,
+            dp_size=self.dp_size,
             max_body_bytes=self.max_body_bytes,
             tokenizer_cache_tokens=self.tokenizer_cache_tokens,
         )
-        if not 0 <= self.base_port <= 65535 - 3 * self.workers:
+        if not 0 <= self.base_port <= 65535 - (1 + 2 * self.dp_size) * self.workers:
             raise ValueError(
                 f"base_port {self.base_port} leaves no room for {self.workers} workers"
             )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -35,28 +35,36 @@ class EngineMetrics:
         self,
         flavor: Literal["vllm", "sglang"],
         model: str,
-        core: Callable[[], EngineCore],
+        cores: Callable[[], list[EngineCore]],
+        dp_size: int = 1,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # one series per data-parallel rank, labelled as the engine labels it: vLLM's
+        # ``engine`` is the rank's index; SGLang adds ``dp_rank`` when DP is on
+        per_rank: list[dict[str, str]]
         if flavor == "vllm":
-            names, labels = ("vllm", {"model_name": model, "engine": "0"})
+            names = "vllm"
+            per_rank = [{"model_name": model, "engine": str(r)} for r in range(dp_size)]
             queue = "vllm:request_queue_time_seconds"
         else:
             names = "sglang"
-            labels = {
+            base = {
                 "model_name": model,
                 "engine_type": "unified",
                 "tp_rank": "0",
                 "pp_rank": "0",
                 "moe_ep_rank": "0",
             }
+            per_rank = (
+                [{**base, "dp_rank": str(r)} for r in range(dp_size)] if dp_size > 1 else [base]
+            )
             queue = "sglang:queue_time_seconds"
-        self.registry.register(_CoreCollector(flavor, labels, core))
-        keys, values = list(labels), list(labels.values())
+        self.registry.register(_CoreCollector(flavor, per_rank, cores))
+        keys = list(per_rank[0])
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
+        def hist(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> list[Any]:
             h = Histogram(name, doc, keys, registry=self.registry, buckets=buckets)
-            return h.labels(*values)
+            return [h.labels(*labels.values()) for labels in per_rank]
 
         self._ttft = hist(f"{names}:time_to_first_token_seconds", "Time to first token.")
         self._itl = hist(
@@ -65,17 +73,18 @@ class EngineMetrics:
         self._e2e = hist(f"{names}:e2e_request_latency_seconds", "End-to-end request latency.")
         self._queue = hist(queue, "Time spent waiting in the queue.")
 
-    def first_token(self, req: SimRequest) -> None:
+    def first_token(self, req: SimRequest, rank: int = 0) -> None:
         assert req.first_token_time is not None and req.scheduled_time is not None
-        self._ttft.observe(req.first_token_time - req.arrival)
-        self._queue.observe(req.scheduled_time - req.arrival)
+        self._ttft[rank].observe(req.first_token_time - req.arrival)
+        self._queue[rank].observe(req.scheduled_time - req.arrival)
 
-    def finished(self, req: SimRequest) -> None:
+    def finished(self, req: SimRequest, rank: int = 0) -> None:
         """One end-to-end sample and the request's mean inter-token gap (cheap, per request)."""
         assert req.finish_time is not None and req.first_token_time is not None
-        self._e2e.observe(req.finish_time - req.arrival)
+        self._e2e[rank].observe(req.finish_time - req.arrival)
         if req.num_output > 1:
-            self._itl.observe((req.finish_time - req.first_token_time) / (req.num_output - 1))
+            gap = (req.finish_time - req.first_token_time) / (req.num_output - 1)
+            self._itl[rank].observe(gap)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -84,18 +93,28 @@ class EngineMetrics:
 class _CoreCollector(Collector):
     """Gauges and counters read from the live core on each scrape."""
 
-    def __init__(self, flavor: str, labels: dict[str, str], core: Callable[[], EngineCore]) -> None:
+    def __init__(
+        self, flavor: str, per_rank: list[dict[str, str]], cores: Callable[[], list[EngineCore]]
+    ) -> None:
         self._flavor = flavor
-        self._labels = labels
-        self._core = core
-        self._last = (time.monotonic(), 0)  # for SGLang's gen_throughput
+        self._per_rank = per_rank
+        self._labels = per_rank[0]
+        self._cores = cores
+        self._last = [(time.monotonic(), 0)] * len(per_rank)  # for SGLang's gen_throughput
+        self._rank = 0
 
     def collect(self) -> Iterator[Metric]:
-        core = self._core()
-        if self._flavor == "vllm":
-            yield from self._vllm(core)
-        else:
-            yield from self._sglang(core)
+        """Each rank's families, merged: one family per name with a series per rank."""
+        merged: dict[str, Metric] = {}
+        for rank, core in enumerate(self._cores()):
+            self._rank, self._labels = rank, self._per_rank[rank]
+            fams = self._vllm(core) if self._flavor == "vllm" else self._sglang(core)
+            for fam in fams:
+                if fam.name in merged:
+                    merged[fam.name].samples.extend(fam.samples)
+                else:
+                    merged[fam.name] = fam
+        yield from merged.values()
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=list(self._labels))
@@ -144,8 +163,8 @@ class _CoreCollector(Collector):
         total = core.allocator.num_blocks * bs
         used = core.used_blocks * bs
         now = time.monotonic()
-        then, gen_then = self._last
-        self._last = (now, st.generation_tokens)
+        then, gen_then = self._last[self._rank]
+        self._last[self._rank] = (now, st.generation_tokens)
         rate = (st.generation_tokens - gen_then) / (now - then) if now > then else 0.0
         hit_rate = st.cache_hits / st.cache_queries if st.cache_queries else 0.0
         yield g("sglang:num_running_reqs", "The number of running requests.", core.num_running)

@@ -37,7 +37,9 @@ from loadtest.enginesim.api import (
     parse_chat,
     parse_completion,
     parse_generate,
+    UnknownRank,
     parse_token_ids,
+    pinned_rank,
 )
 from loadtest.enginesim.kvcache import TOKEN_BYTES, pack_tokens, unpack_tokens
 from loadtest.enginesim.metrics import CONTENT_TYPE
@@ -139,24 +141,25 @@ class _Handlers:
     # -- generation ------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        g = parse_completion(
-            await _body(request), self.served, self.cfg.scheduler.default_max_tokens
-        )
+        body = await _body(request)
+        g = parse_completion(body, self.served, self.cfg.scheduler.default_max_tokens)
         ids = await self._prompt(g)
         shape = _CompletionShape(self, f"cmpl-{uuid.uuid4().hex}")
-        return await self._generate(request, g, ids, shape)
+        return await self._generate(request, g, ids, shape, body)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        g = parse_chat(await _body(request), self.served, self.cfg.scheduler.default_max_tokens)
+        body = await _body(request)
+        g = parse_chat(body, self.served, self.cfg.scheduler.default_max_tokens)
         ids = pack_tokens(await self._chat_ids(g))
         shape = _ChatShape(self, f"chatcmpl-{uuid.uuid4().hex}")
-        return await self._generate(request, g, ids, shape)
+        return await self._generate(request, g, ids, shape, body)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        g = parse_generate(await _body(request))
+        body = await _body(request)
+        g = parse_generate(body)
         ids = await self._prompt(g)
         shape = _GenerateShape(self, g.request_id or uuid.uuid4().hex)
-        return await self._generate(request, g, ids, shape)
+        return await self._generate(request, g, ids, shape, body)
 
     async def _chat_ids(self, g: GenRequest) -> list[int]:
         assert g.messages is not None
@@ -183,15 +186,23 @@ class _Handlers:
             raise ApiError(400, str(exc), "prompt") from None
 
     async def _generate(
-        self, request: web.Request, g: GenRequest, ids: bytes, shape: _Shape
+        self,
+        request: web.Request,
+        g: GenRequest,
+        ids: bytes,
+        shape: _Shape,
+        body: dict[str, Any] | None = None,
     ) -> web.StreamResponse:
         check_prompt(ids, g.max_tokens, self.cfg.scheduler.max_model_len, self.codec.vocab_size)
+        rank = pinned_rank(self.cfg.flavor, request.headers, body or {})
         if not self.w.alive:
             raise ApiError(503, "The engine is not running")
         try:
-            gen = self.w.submit(ids, g.max_tokens, stream=g.stream)
+            gen = self.w.submit(ids, g.max_tokens, stream=g.stream, rank=rank)
         except RequestTooLarge as exc:
             raise ApiError(400, str(exc), "max_tokens") from None
+        except UnknownRank as exc:
+            raise ApiError(400, str(exc), "data_parallel_rank") from None
         shape.prompt_tokens = len(ids) // TOKEN_BYTES
         try:
             if g.stream:
@@ -316,33 +327,36 @@ class _Handlers:
     # -- vLLM ------------------------------------------------------------------------------
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        ok = self.w.core.reset_prefix_cache()
+        ok = self.w.reset_prefix_cache()
         await self.w.publish_pending_events()
         return _json({"success": ok})
 
     async def kv_event_sources(self, request: web.Request) -> web.Response:
         """vLLM 0.32+: each data-parallel rank's ``KVEventsConfig`` keyed by the rank as a
         string (``{}`` with events off), endpoints as the rank's publisher bound them."""
-        pub, ev = self.w.publisher, self.cfg.events
-        if pub is None:
-            return _json({})
-        config = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": self.w.events_endpoint,
-            "replay_endpoint": self.w.replay_endpoint,
-            "buffer_steps": ev.buffer_steps,
-            "hwm": ev.hwm,
-            "max_queue_size": 100000,
-            "topic": ev.topic,
-            "encoding": "msgpack",
-            "schema_version": 1,
-        }
-        return _json({"0": config})
+        ev = self.cfg.events
+        out: dict[str, Any] = {}
+        for rank in self.w.ranks:
+            pub = rank.publisher
+            if pub is None:
+                continue
+            out[str(rank.index)] = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": pub.endpoint,
+                "replay_endpoint": pub.replay_endpoint,
+                "buffer_steps": ev.buffer_steps,
+                "hwm": ev.hwm,
+                "max_queue_size": 100000,
+                "topic": ev.topic,
+                "encoding": "msgpack",
+                "schema_version": 1,
+            }
+        return _json(out)
 
     async def load(self, request: web.Request) -> web.Response:
-        core = self.w.core
-        return _json({"server_load": core.num_running + core.num_waiting})
+        cores = self.w.cores()
+        return _json({"server_load": sum(c.num_running + c.num_waiting for c in cores)})
 
     async def render_chat(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /v1/chat/completions/render``: the chat request rendered and tokenized
@@ -412,7 +426,7 @@ class _Handlers:
                 "served_model_name": cfg.model,
                 "block_size": cfg.cache.block_size,
                 "max_model_len": cfg.scheduler.max_model_len,
-                "data_parallel_size": 1,
+                "data_parallel_size": self.cfg.dp_size,
                 "version": ENGINE_VERSIONS["vllm"],
                 "simulated": True,
             }
@@ -432,7 +446,7 @@ class _Handlers:
             "chunked_prefill_size": cfg.scheduler.max_num_batched_tokens,
             "max_total_num_tokens": core.allocator.num_blocks * core.block_size,
             "tp_size": 1,
-            "dp_size": 1,
+            "dp_size": cfg.dp_size,
             "host": cfg.host,
             "port": self.w.http_port,
             "version": ENGINE_VERSIONS["sglang"],
@@ -447,7 +461,7 @@ class _Handlers:
                 "endpoint_port_base": pub.port,
                 "topic": cfg.events.topic,
                 "block_size": cfg.cache.block_size,
-                "dp_size": 1,
+                "dp_size": cfg.dp_size,
             }
             if pub.replay_port is not None:
                 kv["replay_endpoint_port_base"] = pub.replay_port
@@ -492,7 +506,7 @@ class _Handlers:
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if self.w.busy or not self.w.core.reset_prefix_cache():
+        if self.w.busy or not self.w.reset_prefix_cache():
             return web.Response(status=400, text=_FLUSH_BUSY)
         await self.w.publish_pending_events()
         return web.Response(
@@ -501,34 +515,42 @@ class _Handlers:
         )
 
     async def get_load(self, request: web.Request) -> web.Response:
-        core = self.w.core
-        load = {
-            "dp_rank": 0,
-            "num_reqs": core.num_running + core.num_waiting,
-            "num_waiting_reqs": core.num_waiting,
-            "num_tokens": core.used_blocks * core.block_size,
-            "num_pending_tokens": core.waiting_prompt_tokens,
-            "ts_tic": time.time(),
-        }
-        return _json([load])
+        now = time.time()
+        return _json(
+            [
+                {
+                    "dp_rank": r.index,
+                    "num_reqs": r.core.num_running + r.core.num_waiting,
+                    "num_waiting_reqs": r.core.num_waiting,
+                    "num_tokens": r.core.used_blocks * r.core.block_size,
+                    "num_pending_tokens": r.core.waiting_prompt_tokens,
+                    "ts_tic": now,
+                }
+                for r in self.w.ranks
+            ]
+        )
 
     async def v1_loads(self, request: web.Request) -> web.Response:
-        core = self.w.core
-        total = core.allocator.num_blocks * core.block_size
-        used = core.used_blocks * core.block_size
-        st = core.stats
-        load = {
-            "dp_rank": 0,
-            "num_running_reqs": core.num_running,
-            "num_waiting_reqs": core.num_waiting,
-            "num_total_reqs": core.num_running + core.num_waiting,
-            "num_used_tokens": used,
-            "max_total_num_tokens": total,
-            "token_usage": used / total,
-            "cache_hit_rate": st.cache_hits / st.cache_queries if st.cache_queries else 0.0,
-            "num_waiting_uncached_tokens": core.waiting_prompt_tokens,
-        }
-        return _json({"timestamp": time.time(), "dp_rank_count": 1, "loads": [load]})
+        loads = []
+        for rank in self.w.ranks:
+            core = rank.core
+            total = core.allocator.num_blocks * core.block_size
+            used = core.used_blocks * core.block_size
+            st = core.stats
+            loads.append(
+                {
+                    "dp_rank": rank.index,
+                    "num_running_reqs": core.num_running,
+                    "num_waiting_reqs": core.num_waiting,
+                    "num_total_reqs": core.num_running + core.num_waiting,
+                    "num_used_tokens": used,
+                    "max_total_num_tokens": total,
+                    "token_usage": used / total,
+                    "cache_hit_rate": st.cache_hits / st.cache_queries if st.cache_queries else 0.0,
+                    "num_waiting_uncached_tokens": core.waiting_prompt_tokens,
+                }
+            )
+        return _json({"timestamp": time.time(), "dp_rank_count": len(loads), "loads": loads})
 
 
 async def _body(request: web.Request) -> dict[str, Any]:

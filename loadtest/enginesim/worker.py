@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from typing import Any
 import zmq.asyncio
 from aiohttp import web
 
+from loadtest.enginesim.api import UnknownRank
 from loadtest.enginesim.config import SimConfig
 from loadtest.enginesim.events import EventEncoder, WireFormat
 from loadtest.enginesim.metrics import EngineMetrics
@@ -28,14 +30,17 @@ from loadtest.enginesim.server import build_app
 from loadtest.enginesim.text import TextCodec
 from loadtest.enginesim.timing import TimingModel, timing_model
 
-__all__ = ["FAULT_ACTIONS", "FaultError", "Generation", "SimWorker"]
+__all__ = ["FAULT_ACTIONS", "FaultError", "Generation", "SimRank", "SimWorker", "UnknownRank"]
 
 log = logging.getLogger(__name__)
 
 FAULT_ACTIONS = (
-    "kill", "restart", "pause", "resume", "slow", "drop_events", "refuse", "accept", "garbage",
+    "kill", "restart", "restart_rank", "pause", "resume", "slow", "drop_events", "refuse",
+    "accept", "garbage",
 )  # fmt: skip
 #: what the ``garbage`` fault can put on the event socket (R5: counted and skipped)
+#: attempts at finding consecutive free ports for an SGLang worker's rank publishers
+_CONTIGUOUS_TRIES = 20
 GARBAGE_KINDS = ("bytes", "wrong_types", "unknown_fields", "unknown_parent", "huge", "frames")
 
 
@@ -43,11 +48,14 @@ class FaultError(ValueError):
     """Unknown fault action or bad parameters."""
 
 
+
+
 @dataclass(eq=False)
 class Generation:
     """A request's progress, as the HTTP handler sees it."""
 
     req: SimRequest
+    rank: SimRank
     produced: int = 0  # tokens generated so far
     finished: bool = False
     error: str | None = None  # set when the engine died under the request
@@ -62,8 +70,32 @@ class Generation:
         self._event.set()
 
 
+@dataclass(eq=False)
+class SimRank:
+    """One data-parallel rank: its own engine core (scheduler + prefix cache), its own event
+    publisher (port + rank, sequence from 0, as vLLM's and SGLang's per-rank publishers) and
+    its own driver loop. Ranks of a worker share its HTTP server."""
+
+    index: int
+    core: EngineCore
+    events_port: int = 0
+    replay_port: int = 0
+    publisher: EventPublisher | None = None
+    encoder: EventEncoder | None = None
+    driver: asyncio.Task[None] | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    active: dict[int, Generation] = field(default_factory=dict)
+    streaming: dict[int, Generation] = field(default_factory=dict)
+
+    @property
+    def load(self) -> int:
+        """vLLM's data-parallel balancer score: waiting weighs four times running."""
+        return 4 * self.core.num_waiting + self.core.num_running
+
+
 class SimWorker:
-    """A simulated engine on its own ports (see ``SimConfig`` for the port layout)."""
+    """A simulated engine on its own ports (see ``SimConfig`` for the port layout), with
+    ``config.dp_size`` data-parallel ranks (``SimRank``)."""
 
     def __init__(
         self,
@@ -81,23 +113,24 @@ class SimWorker:
         self.codec = codec
         self._zmq = zmq_ctx
         self.http_port = http_port
-        self._events_port = events_port
-        self._replay_port = replay_port
         self._base_timing = timing_model(config.timing.preset, config.timing.speedup)
         self.alive = False
         self.paused = False
         self.slowdown = 1.0
         self.started_at = 0.0
-        self.core = self._new_core(self._base_timing)
-        self.metrics = EngineMetrics(config.flavor, config.model, lambda: self.core)
-        self.publisher: EventPublisher | None = None
-        self._encoder: EventEncoder | None = None
+        dp = config.dp_size
+        self.ranks = [
+            SimRank(
+                r,
+                self._new_core(self._base_timing),
+                events_port + r if events_port else 0,
+                replay_port + r if replay_port else 0,
+            )
+            for r in range(dp)
+        ]
+        self.metrics = EngineMetrics(config.flavor, config.model, self.cores, dp)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
-        self._driver: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        self._active: dict[int, Generation] = {}
-        self._streaming: dict[int, Generation] = {}
         self._cleanups: set[asyncio.Task[None]] = set()
 
     # -- addresses -------------------------------------------------------------------------
@@ -105,6 +138,19 @@ class SimWorker:
     @property
     def http_url(self) -> str:
         return f"http://{self.config.host}:{self.http_port}"
+
+    @property
+    def core(self) -> EngineCore:
+        """Rank 0's engine core (the only one unless ``dp_size`` > 1)."""
+        return self.ranks[0].core
+
+    @property
+    def publisher(self) -> EventPublisher | None:
+        """Rank 0's event publisher."""
+        return self.ranks[0].publisher
+
+    def cores(self) -> list[EngineCore]:
+        return [r.core for r in self.ranks]
 
     @property
     def events_endpoint(self) -> str | None:
@@ -116,15 +162,16 @@ class SimWorker:
 
     @property
     def busy(self) -> bool:
-        return self.core.has_work()
+        return any(r.core.has_work() for r in self.ranks)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> SimWorker:
         """Serve with a fresh engine: empty cache, event sequence from 0."""
         cfg = self.config
-        self.core = self._new_core(self._timing())
-        self.metrics = EngineMetrics(cfg.flavor, cfg.model, lambda: self.core)
+        for rank in self.ranks:
+            rank.core = self._new_core(self._timing())
+        self.metrics = EngineMetrics(cfg.flavor, cfg.model, self.cores, cfg.dp_size)
         try:
             await self._open_io()
         except BaseException:
@@ -133,8 +180,14 @@ class SimWorker:
         self.paused = False
         self.alive = True
         self.started_at = time.time()
-        self._driver = asyncio.create_task(self._drive(), name=f"sim-worker-{self.index}")
+        for rank in self.ranks:
+            self._start_driver(rank)
         return self
+
+    def _start_driver(self, rank: SimRank) -> None:
+        rank.driver = asyncio.create_task(
+            self._drive(rank), name=f"sim-worker-{self.index}-dp{rank.index}"
+        )
 
     async def stop(self) -> None:
         """Shut down cleanly (end of a test or of the process)."""
@@ -153,20 +206,42 @@ class SimWorker:
         await self._die(spare)
         await self.start()
 
+    async def restart_rank(self, index: int) -> None:
+        """Restart one data-parallel rank's engine core: its cache empties and its event
+        sequence starts again from 0 (a new publisher); the other ranks carry on."""
+        if not self.alive:
+            raise FaultError("the worker is not running")
+        if not 0 <= index < len(self.ranks):
+            raise FaultError(f"rank {index} is out of range [0, {len(self.ranks)})")
+        rank = self.ranks[index]
+        if rank.driver is not None:
+            rank.driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await rank.driver
+        self._fail_all(rank, "the engine core died")
+        if rank.publisher is not None:
+            await rank.publisher.close()
+            rank.publisher = None
+        rank.core = self._new_core(self._timing())
+        await self._open_events(rank)
+        self._start_driver(rank)
+
     def pause(self) -> None:
         """Stop stepping (requests hang; HTTP still answers)."""
         self.paused = True
 
     def resume(self) -> None:
         self.paused = False
-        self._wake.set()
+        for rank in self.ranks:
+            rank.wake.set()
 
     def slow_down(self, factor: float) -> None:
         """Make every step ``factor`` times longer (1 restores the configured speed)."""
         if not factor > 0:
             raise FaultError(f"slow factor must be > 0, got {factor}")
         self.slowdown = factor
-        self.core.timing = self._timing()
+        for rank in self.ranks:
+            rank.core.timing = self._timing()
 
     async def publish_garbage(self, kind: str) -> None:
         """Put a malformed batch on the event socket, as a broken or hostile engine would.
@@ -243,12 +318,15 @@ class SimWorker:
         else:
             raise FaultError(f"unknown garbage kind {kind!r}; known: {', '.join(GARBAGE_KINDS)}")
 
-    def drop_event_batches(self, n: int) -> None:
-        """Do not send the next ``n`` event batches live (replay still has them)."""
+    def drop_event_batches(self, n: int, rank: int = 0) -> None:
+        """Do not send rank ``rank``'s next ``n`` event batches live (replay still has them)."""
         if n < 0:
             raise FaultError(f"count must be >= 0, got {n}")
-        if self.publisher is not None:
-            self.publisher.drop_next(n)
+        if not 0 <= rank < len(self.ranks):
+            raise FaultError(f"rank {rank} is out of range [0, {len(self.ranks)})")
+        pub = self.ranks[rank].publisher
+        if pub is not None:
+            pub.drop_next(n)
 
     async def refuse_connections(self) -> None:
         """Close the listening socket: new connections are refused, open ones go on."""
@@ -266,6 +344,8 @@ class SimWorker:
             await self.kill(spare)
         elif action == "restart":
             await self.restart(spare)
+        elif action == "restart_rank":
+            await self.restart_rank(_number(params, "rank", int))
         elif action == "pause":
             self.pause()
         elif action == "resume":
@@ -273,7 +353,8 @@ class SimWorker:
         elif action == "slow":
             self.slow_down(_number(params, "factor", float))
         elif action == "drop_events":
-            self.drop_event_batches(_number(params, "count", int))
+            rank = _number(params, "rank", int) if "rank" in params else 0
+            self.drop_event_batches(_number(params, "count", int), rank)
         elif action == "refuse":
             await self.refuse_connections()
         elif action == "garbage":
@@ -286,7 +367,7 @@ class SimWorker:
 
     def state(self) -> dict[str, Any]:
         """What the admin endpoints report about this worker."""
-        core, pub = self.core, self.publisher
+        core, pub, enc = self.core, self.publisher, self.ranks[0].encoder
         return {
             "worker": self.index,
             "alive": self.alive,
@@ -298,42 +379,78 @@ class SimWorker:
             "replay_endpoint": self.replay_endpoint,
             "next_seq": None if pub is None else pub.next_seq,
             "replays_served": None if pub is None else pub.replays_served,
-            "event_format": None if self._encoder is None else self._encoder.fmt.version,
+            "event_format": None if enc is None else enc.fmt.version,
             "running": core.num_running,
             "waiting": core.num_waiting,
             "kv_usage": core.kv_usage,
             "cached_blocks": core.cache.cached_blocks,
             "free_blocks": core.allocator.num_free,
             "stats": vars(core.stats),
+            "dp_size": len(self.ranks),
+            "ranks": [
+                {
+                    "rank": r.index,
+                    "events_endpoint": None if r.publisher is None else r.publisher.endpoint,
+                    "next_seq": None if r.publisher is None else r.publisher.next_seq,
+                    "running": r.core.num_running,
+                    "waiting": r.core.num_waiting,
+                    "cached_blocks": r.core.cache.cached_blocks,
+                    "stats": vars(r.core.stats),
+                }
+                for r in self.ranks
+            ],
         }
 
     # -- generation ------------------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int] | bytes, max_tokens: int, *, stream: bool) -> Generation:
-        """Queue a request (raises ValueError/RequestTooLarge on malformed input)."""
+    def submit(
+        self,
+        prompt: Sequence[int] | bytes,
+        max_tokens: int,
+        *,
+        stream: bool,
+        rank: int | None = None,
+    ) -> Generation:
+        """Queue a request on rank ``rank``, or on the least loaded rank as the engine's own
+        balancer would (raises ValueError/RequestTooLarge on malformed input, UnknownRank)."""
         if not self.alive:
             raise RuntimeError("worker is not running")
+        target = self._rank_for(rank)
         loop = asyncio.get_running_loop()
-        req = self.core.add_request(prompt, max_tokens, loop.time())
-        gen = Generation(req)
+        req = target.core.add_request(prompt, max_tokens, loop.time())
+        gen = Generation(req, target)
         req.tag = gen
-        self._active[req.rid] = gen
+        target.active[req.rid] = gen
         if stream:
-            self._streaming[req.rid] = gen
-        self._wake.set()
+            target.streaming[req.rid] = gen
+        target.wake.set()
         return gen
+
+    def _rank_for(self, rank: int | None) -> SimRank:
+        ranks = self.ranks
+        if rank is None:
+            return min(ranks, key=lambda r: (r.load, r.index))
+        if not 0 <= rank < len(ranks):
+            raise UnknownRank(f"data_parallel_rank {rank} is out of range [0, {len(ranks)})")
+        return ranks[rank]
 
     def abort(self, gen: Generation) -> None:
         """The client went away before the end."""
-        if self._active.pop(gen.req.rid, None) is gen:
-            self._streaming.pop(gen.req.rid, None)
-            self.core.abort(gen.req, asyncio.get_running_loop().time())
+        rank = gen.rank
+        if rank.active.pop(gen.req.rid, None) is gen:
+            rank.streaming.pop(gen.req.rid, None)
+            rank.core.abort(gen.req, asyncio.get_running_loop().time())
 
     async def publish_pending_events(self) -> None:
         """Send cache events produced outside a step (a cache reset) right away."""
-        events = self.core.take_events()
-        if events and self._encoder is not None and self.publisher is not None:
-            await self.publisher.publish(self._encoder.encode(events, time.time()))
+        for rank in self.ranks:
+            events = rank.core.take_events()
+            if events and rank.encoder is not None and rank.publisher is not None:
+                await rank.publisher.publish(rank.encoder.encode(events, time.time()))
+
+    def reset_prefix_cache(self) -> bool:
+        """Every rank's prefix cache (vLLM's and SGLang's resets are engine-wide)."""
+        return all([r.core.reset_prefix_cache() for r in self.ranks])
 
     # -- internals -------------------------------------------------------------------------
 
@@ -359,70 +476,100 @@ class SimWorker:
         self._site = site
         self.http_port = int(self._runner.addresses[0][1])
 
-    async def _drive(self) -> None:
+    async def _drive(self, rank: SimRank) -> None:
         loop = asyncio.get_running_loop()
-        core = self.core
+        core = rank.core
         while True:
             if self.paused or not core.has_work():
-                self._wake.clear()
-                await self._wake.wait()
+                rank.wake.clear()
+                await rank.wake.wait()
                 continue
             res = core.step(loop.time())
             if not res.steps:
-                self._wake.clear()
-                await self._wake.wait()
+                rank.wake.clear()
+                await rank.wake.wait()
                 continue
             delay = res.end - loop.time()
             await asyncio.sleep(max(0.0, delay))
-            await self._deliver(res)
+            await self._deliver(rank, res)
 
-    async def _deliver(self, res: StepResult) -> None:
+    async def _deliver(self, rank: SimRank, res: StepResult) -> None:
         metrics = self.metrics
         for req in res.first_token:
-            metrics.first_token(req)
+            metrics.first_token(req, rank.index)
         for req in res.finished:
-            metrics.finished(req)
-            gen = self._active.pop(req.rid, None)
-            self._streaming.pop(req.rid, None)
+            metrics.finished(req, rank.index)
+            gen = rank.active.pop(req.rid, None)
+            rank.streaming.pop(req.rid, None)
             if gen is not None:
                 gen.produced = req.num_output
                 gen.finished = True
                 gen._notify()
-        core = self.core
-        for gen in self._streaming.values():
+        core = rank.core
+        for gen in rank.streaming.values():
             n = core.output_len(gen.req)
             if n != gen.produced:
                 gen.produced = n
                 gen._notify()
-        if res.events and self._encoder is not None and self.publisher is not None:
-            await self.publisher.publish(self._encoder.encode(res.events, time.time()))
+        if res.events and rank.encoder is not None and rank.publisher is not None:
+            await rank.publisher.publish(rank.encoder.encode(res.events, time.time()))
 
     async def _open_io(self) -> None:
         """Bind the event sockets (when events are on) and the HTTP listener."""
-        cfg = self.config
-        if cfg.events.enabled:
-            ev = cfg.events
-            fmt = WireFormat.for_sim(cfg)
-            self._encoder = EventEncoder(fmt)
-            self.publisher = EventPublisher(
-                self._zmq,
-                cfg.host,
-                self._events_port,
-                self._replay_port,
-                topic=ev.topic,
-                buffer_steps=ev.buffer_steps,
-                hwm=ev.hwm,
-                replay_topic_frame=ev.replay_topic_frame,
-                replay_queue_bound=ev.replay_queue_bound,
-            )
-            await self.publisher.start()
-            self._events_port = self.publisher.port
-            self._replay_port = self.publisher.replay_port or 0
+        if self.config.events.enabled:
+            await self._open_rank_events()
         self._runner = web.AppRunner(
             build_app(self), handler_cancellation=True, access_log=None, shutdown_timeout=1.0
         )
         await self._runner.setup()
         await self._listen()
+
+    async def _open_rank_events(self) -> None:
+        """Every rank's publisher. SGLang advertises one port base (rank r at base + r), so
+        its ranks need consecutive ports: with ephemeral ports, rank 0's port is the base and
+        a taken neighbour means trying again from a new base."""
+        ranks = self.ranks
+        contiguous = self.config.flavor == "sglang" and len(ranks) > 1 and not ranks[0].events_port
+        for _ in range(_CONTIGUOUS_TRIES if contiguous else 1):
+            try:
+                for rank in ranks:
+                    await self._open_events(rank)
+                    if contiguous and rank.index == 0:
+                        assert rank.publisher is not None
+                        base, rbase = rank.publisher.port, rank.publisher.replay_port or 0
+                        for other in ranks[1:]:
+                            other.events_port = base + other.index
+                            other.replay_port = rbase + other.index if rbase else 0
+                return
+            except OSError:
+                if not contiguous:
+                    raise
+                for rank in ranks:
+                    if rank.publisher is not None:
+                        await rank.publisher.close()
+                        rank.publisher = None
+                    rank.events_port = rank.replay_port = 0
+        raise OSError("no consecutive free ports for the ranks' event publishers")
+
+    async def _open_events(self, rank: SimRank) -> None:
+        cfg = self.config
+        ev = cfg.events
+        fmt = dataclasses.replace(WireFormat.for_sim(cfg), dp_rank=rank.index)
+        rank.encoder = EventEncoder(fmt)
+        rank.publisher = EventPublisher(
+            self._zmq,
+            cfg.host,
+            rank.events_port,
+            rank.replay_port,
+            topic=ev.topic,
+            buffer_steps=ev.buffer_steps,
+            hwm=ev.hwm,
+            replay_topic_frame=ev.replay_topic_frame,
+            replay_queue_bound=ev.replay_queue_bound,
+        )
+        await rank.publisher.start()
+        rank.events_port = rank.publisher.port
+        rank.replay_port = rank.publisher.replay_port or 0
 
     async def _close_io(self, spare: Any) -> None:
         """Stop listening, reset connections (all but ``spare``), close the event sockets."""
@@ -433,25 +580,31 @@ class SimWorker:
             task = asyncio.create_task(runner.cleanup())
             self._cleanups.add(task)
             task.add_done_callback(self._cleanups.discard)
-        if self.publisher is not None:
-            await self.publisher.close()
-            self.publisher = None
+        for rank in self.ranks:
+            if rank.publisher is not None:
+                await rank.publisher.close()
+                rank.publisher = None
 
     async def _die(self, spare: Any) -> None:
         if not self.alive:
             return
         self.alive = False
-        if self._driver is not None:
-            self._driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._driver
-            self._driver = None
-        for gen in self._active.values():
-            gen.error = "the engine died"
-            gen._notify()
-        self._active.clear()
-        self._streaming.clear()
+        for rank in self.ranks:
+            if rank.driver is not None:
+                rank.driver.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await rank.driver
+                rank.driver = None
+            self._fail_all(rank, "the engine died")
         await self._close_io(spare)
+
+    @staticmethod
+    def _fail_all(rank: SimRank, why: str) -> None:
+        for gen in rank.active.values():
+            gen.error = why
+            gen._notify()
+        rank.active.clear()
+        rank.streaming.clear()
 
 
 def _abort_connections(runner: web.AppRunner, spare: Any) -> None:

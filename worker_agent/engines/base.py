@@ -24,6 +24,7 @@ __all__ = [
     "Samples",
     "endpoint_for_rank",
     "parse_metrics",
+    "rank_samples",
     "resolve_host",
 ]
 
@@ -56,6 +57,8 @@ class EngineAdapter(ABC):
     kind: str = ""
     #: ``medium`` values that mean "in GPU memory" (None: engines that do not say).
     gpu_media: frozenset[str | None] = frozenset({None, "GPU"})
+    #: the metrics label naming a data-parallel rank (vLLM: ``engine``, SGLang: ``dp_rank``)
+    rank_label: str = "engine"
 
     @abstractmethod
     def discover(self, info: Any, engine_url: str) -> Discovery:
@@ -125,6 +128,22 @@ def parse_metrics(text: str, names: Iterable[str]) -> Samples:
             continue
         out.setdefault(name, []).append((labels, value))
     return out
+
+
+def rank_samples(samples: Samples, key: str, ranks: list[int]) -> dict[int, Samples] | None:
+    """``samples`` split per data-parallel rank by the label ``key``, or None when no series
+    carries it (an engine that reports per worker only)."""
+    out: dict[int, Samples] = {r: {} for r in ranks}
+    labelled = False
+    for name, series in samples.items():
+        for labels, value in series:
+            raw = label(labels, key)
+            if raw is None or not raw.isdigit():
+                continue
+            labelled = True
+            if int(raw) in out:
+                out[int(raw)].setdefault(name, []).append((labels, value))
+    return out if labelled else None
 
 
 def total(samples: Samples, name: str) -> float | None:

@@ -30,6 +30,7 @@ class SglangAdapter(EngineAdapter):
     kind = "sglang"
     # HiCache tiers publish CPU_PINNED / DISK / EXTERNAL: not GPU.
     gpu_media = frozenset({None, "GPU"})
+    rank_label = "dp_rank"
 
     @property
     def discovery_path(self) -> str:
