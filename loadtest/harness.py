@@ -38,11 +38,13 @@ class HarnessError(RuntimeError):
     """A process did not start or stop as expected."""
 
 
-def post_json(url: str, body: Any, timeout: float = 10.0) -> Any:
+def post_json(
+    url: str, body: Any, timeout: float = 10.0, headers: dict[str, str] | None = None
+) -> Any:
     """POST ``body`` as JSON to a process on loopback; its decoded JSON answer."""
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), method="POST",
-        headers={"content-type": "application/json"},
+        headers={"content-type": "application/json", **(headers or {})},
     )  # fmt: skip
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read() or b"null")

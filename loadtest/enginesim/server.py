@@ -30,6 +30,7 @@ from aiohttp import web
 from loadtest.enginesim.api import (
     ApiError,
     GenRequest,
+    UnknownRank,
     check_model,
     check_prompt,
     decode_body,
@@ -37,7 +38,6 @@ from loadtest.enginesim.api import (
     parse_chat,
     parse_completion,
     parse_generate,
-    UnknownRank,
     parse_token_ids,
     pinned_rank,
 )

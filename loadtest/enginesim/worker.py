@@ -48,8 +48,6 @@ class FaultError(ValueError):
     """Unknown fault action or bad parameters."""
 
 
-
-
 @dataclass(eq=False)
 class Generation:
     """A request's progress, as the HTTP handler sees it."""
