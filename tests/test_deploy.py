@@ -995,3 +995,37 @@ def test_install_helm_is_idempotent() -> None:
         check=True,
     )
     assert v.stdout.startswith("v4.")
+
+
+def test_data_parallel_ranks_render_per_rank_flags(helm: Any, tmp_path: Path) -> None:
+    """DeepSeek-class SGLang on one 8-GPU node: 8 data-parallel attention ranks; the agent
+    is told the ranks (it publishes each as a cache domain of its own)."""
+    r = render_with(
+        helm,
+        tmp_path,
+        {
+            "pools": [
+                {
+                    "name": "ds",
+                    "model": "deepseek-v3",
+                    "workers": {
+                        "engine": "sglang",
+                        "gpus": 8,
+                        "dataParallelSize": 8,
+                        "dpAttention": True,
+                    },
+                }
+            ]
+        },
+    )
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    (sts,) = [d for d in docs if d["kind"] in ("StatefulSet", "Deployment") and "ds" in
+              d["metadata"]["name"] and "gateway" not in d["metadata"]["name"]]  # fmt: skip
+    containers = {c["name"]: c for c in sts["spec"]["template"]["spec"]["containers"]}
+    engine = containers["engine"]["args"]
+    assert engine[engine.index("--dp-size") + 1] == "8" and "--enable-dp-attention" in engine
+    # SGLang DP attention: --tp is all 8 GPUs, attention split over the 8 ranks within it
+    assert engine[engine.index("--tp-size") + 1] == "8"
+    agent = containers["agent"]["args"]
+    assert agent[agent.index("--dp-size") + 1] == "8"
