@@ -478,6 +478,8 @@ class Gateway:
                     "engine": e.info.engine if e.info else None,
                     "engine_block_size": e.info.engine_block_size if e.info else None,
                     "kv_capacity_blocks": e.info.kv_capacity_blocks if e.info else None,
+                    "dp_rank": e.info.dp_rank if e.info else None,
+                    "engine_id": e.info.engine_id if e.info else "",
                     "epoch": e.info.epoch if e.info else None,
                     "labels": e.labels,
                 }
