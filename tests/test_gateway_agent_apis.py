@@ -183,8 +183,8 @@ def test_messages_second_turn_lands_on_the_holder_with_the_predicted_cache_read(
     assert streamed == " the" * 5 and final.stop_reason == "max_tokens"
     assert (final.usage.cache_read_input_tokens or 0) >= cached
     events = list(c.messages.create(model=MODEL, messages=first, max_tokens=2, stream=True))  # type: ignore[arg-type]
-    assert [e.type for e in events][0] == "message_start"
-    assert [e.type for e in events][-1] == "message_stop"
+    types = [e.type for e in events]
+    assert types[0] == "message_start" and types[-1] == "message_stop"
 
 
 def test_messages_bad_input_is_an_anthropic_error(stack: Stack) -> None:
