@@ -156,8 +156,16 @@ class GatewayConfig:
     auth: AuthSettings = field(default_factory=AuthSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
     log: LogSettings = field(default_factory=LogSettings)
-    #: header carrying a session id (the ``session`` policy; falls back to the body's "user")
-    session_header: str = "x-session-id"
+    #: headers carrying a session id, first present wins (the ``session`` policy's key)
+    session_headers: list[str] = field(
+        default_factory=lambda: ["x-session-affinity", "x-session-id"]
+    )
+    #: body fields carrying a session id when no header does ("a.b": field b of object a)
+    session_fields: list[str] = field(
+        default_factory=lambda: ["user", "prompt_cache_key", "metadata.user_id"]
+    )
+    #: one more session header, tried before ``session_headers`` (the former single setting)
+    session_header: str = ""
 
     def validate(self) -> None:
         """Cross-field checks the types cannot express (raises ConfigError)."""

@@ -23,6 +23,9 @@ from gateway.tokenization import ChatIds, TokenizationError, Tokenizer, normaliz
 
 __all__ = ["Pool", "Prepared"]
 
+#: the request field holding a chat-like request's conversation
+_MESSAGES_PARAM = {"chat": "messages", "responses": "input", "messages": "messages"}
+
 
 @dataclass
 class Prepared:
@@ -64,10 +67,10 @@ class Pool:
         tok = self.tokenizer
         body: bytes | None = None
         try:
-            if req.kind == "chat":
-                assert req.messages is not None
+            if req.messages is not None:  # chat, Responses, Messages: the chat template
                 messages = req.messages
-                if self.settings.normalize_prompts:
+                # only a chat body can be rewritten; other APIs go to the engine unchanged
+                if self.settings.normalize_prompts and req.kind == "chat":
                     messages = normalize_messages(messages)
                     body = req.with_changes(messages=messages)
                 chat = await tok.aencode_chat_ids(
@@ -92,7 +95,7 @@ class Pool:
         except TokenizationError as exc:
             raise bad_request(
                 str(exc),
-                param="messages" if req.kind == "chat" else "prompt",
+                param="prompt" if req.messages is None else _MESSAGES_PARAM[req.kind],
                 code="invalid_prompt",
             ) from None
         except UnicodeError as exc:

@@ -6,9 +6,11 @@
   the client has received nothing: the client's response starts only with the upstream's
   first body chunk, so everything before that is retryable.
 * SSE is passed through event by event; a stream that breaks afterwards ends with an
-  OpenAI-style error event, never a hang or a silent truncation.
-* ``usage`` is read on the way (the gateway asks for it on streams and strips the extra
-  chunk if the client did not) to count delivered cached tokens per worker.
+  error event in the client's API's form, never a hang or a silent truncation. A stream is
+  whole at ``[DONE]``, at a Responses ``response.completed`` (or ``.incomplete``/``.failed``)
+  and at a Messages ``message_stop``.
+* ``usage`` is read on the way (on chat and completion streams the gateway asks for it and
+  strips the extra chunk if the client did not) to count delivered cached tokens per worker.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gateway.apis import APIS
 from gateway.config import ProxySettings
-from gateway.errors import ApiError
+from gateway.errors import ApiError, ErrorShape, stream_error
 from gateway.metrics import GatewayMetrics
 from gateway.pinning import pin_rank
 from gateway.pool import Pool, Prepared
@@ -63,7 +66,9 @@ class Usage:
 
 
 def parse_usage(obj: Any) -> Usage | None:
-    """Usage from an OpenAI body/chunk (``usage``) or an SGLang one (``meta_info``)."""
+    """Usage from an OpenAI body/chunk (``usage``), a Responses one (``usage`` with
+    ``input_tokens``, or under ``response``), an Anthropic one (``usage`` with
+    ``cache_read_input_tokens``, or under ``message``) or an SGLang one (``meta_info``)."""
     if isinstance(obj, list):  # SGLang batch
         parts = [u for u in map(parse_usage, obj) if u is not None]
         if not parts:
@@ -76,7 +81,12 @@ def parse_usage(obj: Any) -> Usage | None:
         )
     if not isinstance(obj, dict):
         return None
+    inner = obj.get("response") or obj.get("message")
+    if not isinstance(obj.get("usage"), dict) and isinstance(inner, dict):
+        obj = inner  # Responses' response.completed, Anthropic's message_start
     u = obj.get("usage")
+    if isinstance(u, dict) and "input_tokens" in u:
+        return _input_usage(u)
     if isinstance(u, dict):
         details = u.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
@@ -89,6 +99,22 @@ def parse_usage(obj: Any) -> Usage | None:
             _int(m.get("completion_tokens")),
         )
     return None
+
+
+def _input_usage(u: dict[str, Any]) -> Usage:
+    """Responses usage (``input_tokens`` counts all) or Anthropic's (``input_tokens`` counts
+    the uncached part; ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` the
+    rest)."""
+    details = u.get("input_tokens_details")
+    if isinstance(details, dict):
+        return Usage(
+            _int(u.get("input_tokens")),
+            _int(details.get("cached_tokens")),
+            _int(u.get("output_tokens")),
+        )
+    cached = _int(u.get("cache_read_input_tokens"))
+    prompt = _int(u.get("input_tokens")) + cached + _int(u.get("cache_creation_input_tokens"))
+    return Usage(prompt, cached, _int(u.get("output_tokens")))
 
 
 def _int(v: Any) -> int:
@@ -159,14 +185,18 @@ class Proxy:
         prep: Prepared,
         path: str,
         session_key: str | None,
+        skip: frozenset[str] = frozenset(),
     ) -> web.StreamResponse:
+        """``skip``: workers that cannot serve this request (their engine lacks the API)."""
         s = self.settings
-        inject_usage = creq.stream and creq.kind != "generate" and not creq.include_usage
+        inject_usage = (
+            creq.stream and creq.kind in ("chat", "completion") and not creq.include_usage
+        )
         body = prep.body or creq.raw
         if inject_usage:
             body = _with_usage(body, creq)
         headers = self._upstream_headers(request)
-        tried: set[str] = set()
+        tried: set[str] = set(skip)
         last: _Retry | None = None
         for attempt in range(s.max_retries + 1):
             if attempt:
@@ -230,8 +260,8 @@ class Proxy:
         # nothing at all until their first token, so a stuck worker stalls in post().
         deadline = asyncio.get_running_loop().time() + self.settings.first_byte_timeout
         if entry.info is not None and entry.info.dp_rank is not None:
-            body, headers = pin_rank(entry.info.engine, entry.info.dp_rank, body, creq.body,
-                                     headers)  # fmt: skip
+            info = entry.info
+            body, headers = pin_rank(info.engine, info.dp_rank, body, creq.body, headers)
         try:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -269,7 +299,9 @@ class Proxy:
                     out = _SseResponse(
                         status=resp.status, headers={**headers, "cache-control": "no-cache"}
                     )
-                    return await self._stream(request, resp, out, first, pool, wid, inject_usage)
+                    return await self._stream(
+                        request, resp, out, first, pool, wid, inject_usage, APIS[creq.kind].errors
+                    )
                 data = first + await self._rest(resp, wid)
                 self._count_usage(pool, wid, _json(data))
                 self.registry.on_success(wid)
@@ -364,6 +396,7 @@ class Proxy:
         pool: Pool,
         wid: str,
         inject_usage: bool,
+        shape: ErrorShape = "openai",
     ) -> web.StreamResponse:
         await out.prepare(request)
         events = _SseFilter(strip_usage=inject_usage)
@@ -375,12 +408,12 @@ class Proxy:
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 self.registry.on_failure(wid, self.clock(), fatal=False)
                 self.metrics.stream_errors.labels(pool.name, wid).inc()
-                await _end_with_error(out, f"worker {wid} failed mid-stream: {exc!r}")
+                await _end_with_error(out, f"worker {wid} failed mid-stream: {exc!r}", shape)
                 return out
             if not chunk:
                 break
             data = events.feed(chunk)
-            if events.done:  # [DONE] seen: the last events leave with the end of the body
+            if events.final:  # nothing may follow: the last events leave with the end of the body
                 self._count_usage(pool, wid, events.usage)
                 self.registry.on_success(wid)
                 await out.write_eof(data + events.flush())
@@ -393,7 +426,7 @@ class Proxy:
         if not events.done:
             self.registry.on_failure(wid, self.clock(), fatal=False)
             self.metrics.stream_errors.labels(pool.name, wid).inc()
-            await _end_with_error(out, f"worker {wid} closed the stream early")
+            await _end_with_error(out, f"worker {wid} closed the stream early", shape)
             return out
         self._count_usage(pool, wid, events.usage)
         self.registry.on_success(wid)
@@ -418,14 +451,25 @@ class Proxy:
         return headers
 
 
+#: named SSE events after which a stream is whole (Responses' terminal events, Messages' end)
+_TERMINAL_EVENTS = frozenset(
+    (b"response.completed", b"response.incomplete", b"response.failed", b"message_stop")
+)
+#: ...and after which nothing follows (Messages: vLLM still sends ``data: [DONE]``)
+_FINAL_EVENTS = frozenset((b"response.completed", b"response.incomplete", b"response.failed"))
+
+
 class _SseFilter:
-    """Splits an SSE byte stream into events; drops the injected usage chunk; keeps usage."""
+    """Splits an SSE byte stream into events; drops the injected usage chunk; keeps usage.
+
+    ``done``: the stream is whole; ``final``: nothing can follow (end the response now)."""
 
     def __init__(self, strip_usage: bool) -> None:
         self.strip_usage = strip_usage
         self.buf = b""
         self.usage: Any = None
         self.done = False
+        self.final = False
         self.last_data: bytes | None = None
 
     def feed(self, chunk: bytes) -> bytes:
@@ -446,11 +490,13 @@ class _SseFilter:
         return b""
 
     def _keep(self, event: bytes) -> bool:
+        if event.startswith(b"event:"):
+            return self._named(event)
         data = event[5:].strip() if event.startswith(b"data:") else None
         if data is None:
             return True
         if data == b"[DONE]":
-            self.done = True
+            self.done = self.final = True
             if self.usage is None and self.last_data is not None:
                 self.usage = _json(self.last_data)  # SGLang: meta_info in the last event
             return True
@@ -464,20 +510,29 @@ class _SseFilter:
             self.last_data = data
         return True
 
+    def _named(self, event: bytes) -> bool:
+        """An ``event: NAME`` + ``data:`` event (Responses, Messages): relayed as it is."""
+        head, _, data = event.partition(b"\n")
+        name = head[6:].strip()
+        if name in _TERMINAL_EVENTS or (b"usage" in data and name in _USAGE_EVENTS):
+            obj = _json(data[5:] if data.startswith(b"data:") else data)
+            if parse_usage(obj) is not None:
+                self.usage = obj
+        if name in _TERMINAL_EVENTS:
+            self.done = True
+            self.final = name in _FINAL_EVENTS
+        return True
 
-async def _end_with_error(out: web.StreamResponse, message: str) -> None:
-    body = json.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": "upstream_error",
-                "param": None,
-                "code": "stream_broken",
-            }
-        }
-    )
+
+#: named events that carry usage (Messages: input in message_start, totals in message_delta)
+_USAGE_EVENTS = frozenset((b"message_start", b"message_delta"))
+
+
+async def _end_with_error(
+    out: web.StreamResponse, message: str, shape: ErrorShape = "openai"
+) -> None:
     with contextlib.suppress(ConnectionError, RuntimeError):
-        await out.write(f"data: {body}\n\ndata: [DONE]\n\n".encode())
+        await out.write(stream_error(shape, message))
         await out.write_eof()
 
 

@@ -1,10 +1,12 @@
-"""Client requests: parse and validate OpenAI (and SGLang ``/generate``) bodies.
+"""Client requests: parse and validate OpenAI, Anthropic and SGLang ``/generate`` bodies.
 
 Pure functions from body bytes to a ``ClientRequest`` or an ``ApiError`` (always a 4xx).
 Only what routing needs is validated strictly (model, messages or prompt, stream flags,
 output length); every other field is passed through to the worker untouched, so engine
 extensions keep working. The raw bytes are kept and forwarded as they are unless the
-gateway has to change the body (``with_changes``).
+gateway has to change the body (``with_changes``). Responses and Messages requests are
+converted to the chat messages their engine endpoint renders (``messages`` is set: they route
+like chats), and are always forwarded unchanged.
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.errors import ApiError, bad_request
+from gateway.tokenization import TokenizationError
+from gateway.tokenization.anthropic_input import anthropic_messages, anthropic_tools
+from gateway.tokenization.responses_input import responses_messages, responses_tools
 
 __all__ = ["ClientRequest", "parse_body"]
 
-Kind = Literal["chat", "completion", "generate"]
+Kind = Literal["chat", "completion", "generate", "responses", "messages"]
+#: kinds whose prompt is a list of chat messages rendered with the chat template
+CHAT_KINDS = frozenset(("chat", "responses", "messages"))
 
 
 @dataclass
@@ -52,6 +59,10 @@ def parse_body(raw: bytes, kind: Kind) -> ClientRequest:
         return _chat(body, raw)
     if kind == "completion":
         return _completion(body, raw)
+    if kind == "responses":
+        return _responses(body, raw)
+    if kind == "messages":
+        return _messages(body, raw)
     return _generate(body, raw)
 
 
@@ -146,6 +157,76 @@ def _chat(body: dict[str, Any], raw: bytes) -> ClientRequest:
         kwargs = {**kwargs, "continue_final_message": True}
     req.template_kwargs = kwargs
     return req
+
+
+def _responses(body: dict[str, Any], raw: bytes) -> ClientRequest:
+    """OpenAI ``/v1/responses``: ``instructions`` + ``input`` as vLLM converts them."""
+    req = _common(body, "responses", raw)
+    for name, why in (
+        ("previous_response_id", "it names a response stored by one engine"),
+        ("conversation", "it names a conversation stored by one engine"),
+    ):
+        if body.get(name) is not None:
+            raise bad_request(
+                f"'{name}' is not supported through this gateway ({why}); send the whole "
+                "conversation in 'input'",
+                param=name,
+                code="unsupported_parameter",
+            )
+    if _opt(body, "background", bool, "a boolean"):
+        raise bad_request(
+            "'background' responses are not supported through this gateway",
+            param="background",
+            code="unsupported_parameter",
+        )
+    if body.get("input") is None:
+        raise bad_request("'input' is required", param="input", code="missing_field")
+    mot = _opt(body, "max_output_tokens", int, "an integer")
+    if mot is not None:
+        if mot < 1:
+            raise bad_request(
+                f"'max_output_tokens' must be >= 1, got {mot}",
+                param="max_output_tokens",
+                code="invalid_value",
+            )
+        req.max_tokens = mot
+    req.messages = _converted(
+        lambda: responses_messages(body.get("instructions"), body["input"]), "input"
+    )
+    req.tools = _converted(lambda: responses_tools(body.get("tools")), "tools")
+    return req
+
+
+def _messages(body: dict[str, Any], raw: bytes) -> ClientRequest:
+    """Anthropic ``/v1/messages``: ``system`` + ``messages`` as vLLM converts them."""
+    req = _common(body, "messages", raw)
+    max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        raise bad_request("'max_tokens' is required", param="max_tokens", code="missing_field")
+    if req.max_tokens is None or req.max_tokens < 1:
+        raise bad_request(
+            "'max_tokens' must be a positive integer", param="max_tokens", code="invalid_value"
+        )
+    metadata = _opt(body, "metadata", dict, "an object") or {}
+    user_id = metadata.get("user_id")
+    if user_id is not None and not isinstance(user_id, str):
+        raise bad_request(
+            "'metadata.user_id' must be a string", param="metadata", code="invalid_type"
+        )
+    req.messages = _converted(
+        lambda: anthropic_messages(body.get("system"), body.get("messages")), "messages"
+    )
+    req.tools = _converted(lambda: anthropic_tools(body.get("tools")), "tools")
+    kwargs = _opt(body, "chat_template_kwargs", dict, "an object") or {}
+    req.template_kwargs = kwargs
+    return req
+
+
+def _converted(convert: Any, param: str) -> Any:
+    try:
+        return convert()
+    except TokenizationError as exc:
+        raise bad_request(str(exc), param=param, code="invalid_prompt") from None
 
 
 def _token_ids(value: list[Any], param: str) -> list[int]:

@@ -1,9 +1,11 @@
-"""The gateway's HTTP service (aiohttp): OpenAI-compatible API, health, metrics, admin.
+"""The gateway's HTTP service (aiohttp): OpenAI and Anthropic APIs, health, metrics, admin.
 
 Request path: read the body (413 over the limit) -> parse and validate (4xx) -> pick the
 pool by model (404) -> authenticate and rate-limit -> tokenize exactly as the engine will
 and compute block keys -> wait for a concurrency slot (429/408) -> route + proxy with
-retries (``Proxy``). Every error is OpenAI-shaped JSON; bad input never yields a 5xx.
+retries (``Proxy``). Every API (``gateway.apis``: chat, completions, /generate, Responses,
+Messages) takes that one path. Every error is JSON in the client's API's shape (OpenAI's, or
+Anthropic's on /v1/messages); bad input never yields a 5xx.
 
 Background: the event-bus consumer keeps the shadow index and the registry current and
 feeds engine load reports to the routers; a 100 ms tick expires speculation and updates
@@ -16,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import json
 import logging
 import random
 import re
@@ -28,12 +31,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gateway.apis import APIS, Api
+from gateway.cache_reset import ResetTarget, reset_caches
 from gateway.circuit import CircuitState
 from gateway.config import ApiKey, GatewayConfig
 from gateway.consumer import Consumer
 from gateway.contract.bus import EventBus
 from gateway.contract.wire import key_digest
-from gateway.errors import ApiError, error_body
+from gateway.errors import ApiError, ErrorShape, anthropic_error_body, error_body
 from gateway.limits import Admission, TokenBucket
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
@@ -41,6 +46,7 @@ from gateway.proxy import REQUEST_ID, Proxy, new_request_id
 from gateway.registry import Registry
 from gateway.requests import ClientRequest, Kind, parse_body
 from gateway.routing.index import ShadowIndex
+from gateway.session import SessionKeys
 from gateway.tokenization import Tokenizer
 
 __all__ = ["Gateway", "build_app"]
@@ -54,6 +60,7 @@ log = logging.getLogger("kvroute.gateway")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 POOL = web.RequestKey("pool", str)  # the pool a request was routed in (metrics labels)
+ERRORS = web.RequestKey("errors", str)  # the error shape of the API the client speaks
 
 
 @dataclass
@@ -104,6 +111,9 @@ class Gateway:
             )
             for k in cfg.auth.api_keys
         }
+        self.sessions = SessionKeys.of(
+            [cfg.session_header, *cfg.session_headers], cfg.session_fields
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._probe_session: aiohttp.ClientSession | None = None
         self.clock = time.monotonic
@@ -315,15 +325,17 @@ class Gateway:
             code="model_not_found",
         )
 
-    async def generation(self, request: web.Request, kind: Kind, path: str) -> web.StreamResponse:
+    async def generation(self, request: web.Request, api: Api) -> web.StreamResponse:
+        request[ERRORS] = api.errors
         client = self.authenticate(request)
         raw = await request.read()
-        creq = parse_body(raw, kind)
+        creq = parse_body(raw, api.kind)
         pool = self._pool(creq.model)
         request[POOL] = pool.name
+        skip = self._not_serving(pool, api)
         prep = await pool.prepare(creq)
         m = self.metrics
-        m.tokenize.labels(pool.name, kind).observe(prep.tokenize_s + prep.keys_s)
+        m.tokenize.labels(pool.name, api.kind).observe(prep.tokenize_s + prep.keys_s)
         self.rate_limit(client, prep.prompt_tokens + (creq.max_tokens or 0))
         if self.config.log.log_prompts:
             log.info(
@@ -340,22 +352,81 @@ class Gateway:
             raise
         try:
             return await self.proxy.forward(
-                request, creq, pool, prep, path, self._session_key(request, creq)
+                request, creq, pool, prep, api.path, self._session_key(request, creq), skip
             )
         finally:
             self.admission.release()
 
+    def _not_serving(self, pool: Pool, api: Api) -> frozenset[str]:
+        """Workers of ``pool`` whose engine lacks ``api`` (501 when that is all of them)."""
+        members = {w: e for w, e in self.registry.workers.items() if e.pool is pool}
+        engines = {w: e.info.engine if e.info else None for w, e in members.items()}
+        skip = frozenset(w for w, engine in engines.items() if not api.served_by(engine))
+        if members and len(skip) == len(members):
+            raise api.unsupported(pool.name, {e for e in engines.values() if e})
+        return skip
+
     def _session_key(self, request: web.Request, creq: ClientRequest) -> str | None:
-        return request.headers.get(self.config.session_header) or creq.user
+        return self.sessions.key(request.headers, creq.body)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self.generation(request, "chat", "/v1/chat/completions")
+        return await self.generation(request, APIS["chat"])
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.generation(request, "completion", "/v1/completions")
+        return await self.generation(request, APIS["completion"])
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        return await self.generation(request, "generate", "/generate")
+        return await self.generation(request, APIS["generate"])
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI Responses API: routed on its input rendered as the engine renders it."""
+        return await self.generation(request, APIS["responses"])
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic Messages API: routed on its messages rendered as the engine renders them."""
+        return await self.generation(request, APIS["messages"])
+
+    async def reset_cache(self, request: web.Request) -> web.Response:
+        """Admin: clear the prefix cache of every worker of a pool (``model`` in the query or
+        body; default every pool), through each engine's own endpoint; per-worker results.
+        The index follows from the engines' clear events (``gateway.cache_reset``)."""
+        self.authorize_admin(request)
+        model = request.query.get("model")
+        raw = await request.read()
+        if model is None and raw.strip():
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
+            model = body.get("model") if isinstance(body, dict) else None
+            if model is not None and not isinstance(model, str):
+                raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
+        pools = [self._pool(model)] if model is not None else self.pools
+        targets = [
+            ResetTarget(wid, e.url, e.pool.name, e.info.engine if e.info else None)
+            for wid, e in sorted(self.registry.workers.items())
+            if e.pool in pools
+        ]
+        headers = {"x-request-id": request[REQUEST_ID]}
+        if self.config.proxy.upstream_api_key:
+            headers["authorization"] = f"Bearer {self.config.proxy.upstream_api_key}"
+        results = await reset_caches(
+            self.proxy.session,
+            targets,
+            headers,
+            request.query,
+            self.config.proxy.connect_timeout * 5,
+        )
+        ok = all(r.success for r in results)
+        log.info("prefix cache reset on %d workers: %s", len(results), "ok" if ok else "failed")
+        return web.json_response(
+            {
+                "success": ok,
+                "pools": [p.name for p in pools],
+                "workers": [dataclasses.asdict(r) for r in results],
+            },
+            status=200 if ok else 502,
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         self.authenticate(request)
@@ -384,7 +455,8 @@ class Gateway:
         """Dry-run a request: the routing decision with its full explanation."""
         self.authorize_admin(request)
         raw = await request.read()
-        peek = _peek_kind(raw)
+        api = request.query.get("api")
+        peek = APIS[api].kind if api in ("responses", "messages") else _peek_kind(raw)  # type: ignore[index]
         creq = parse_body(raw, peek)
         pool = self._pool(creq.model)
         prep = await pool.prepare(creq)
@@ -487,6 +559,11 @@ class Gateway:
         return web.json_response({"workers": out, "rejected_registrations": self.registry.rejected})
 
 
+def _shape(request: web.Request) -> ErrorShape:
+    shape = request.get(ERRORS)
+    return "anthropic" if shape == "anthropic" else "openai"
+
+
 def _circuit_value(state: CircuitState) -> int:
     return {CircuitState.CLOSED: 0, CircuitState.HALF_OPEN: 1, CircuitState.OPEN: 2}[state]
 
@@ -518,6 +595,11 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_post("/v1/chat/completions", gw.chat)
     app.router.add_post("/v1/completions", gw.completions)
     app.router.add_post("/generate", gw.generate)
+    app.router.add_post("/v1/responses", gw.responses)
+    app.router.add_post("/v1/messages", gw.messages)
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        app.router.add_post(path, gw.reset_cache)
+    app.router.add_get("/flush_cache", gw.reset_cache)  # SGLang takes GET too
     app.router.add_get("/v1/models", gw.models)
     app.router.add_get("/health", gw.health)
     app.router.add_get("/ready", gw.readiness)
@@ -545,13 +627,17 @@ def _middleware(gw: Gateway) -> Any:
         rid = request.headers.get("x-request-id", "")
         request[REQUEST_ID] = rid if _REQUEST_ID.match(rid) else new_request_id()
         request[POOL] = ""
+        request[ERRORS] = "openai"
         try:
             return await handler(request)
         except ApiError as exc:
             gw.metrics.errors.labels(request[POOL], str(exc.status), exc.code or "").inc()
             headers = {"x-request-id": request[REQUEST_ID], **(exc.headers or {})}
             return web.Response(
-                status=exc.status, body=exc.body(), content_type="application/json", headers=headers
+                status=exc.status,
+                body=exc.body(_shape(request)),
+                content_type="application/json",
+                headers=headers,
             )
         except web.HTTPException as exc:
             if exc.status < 400:
@@ -567,7 +653,9 @@ def _middleware(gw: Gateway) -> Any:
             gw.metrics.errors.labels(request[POOL], str(exc.status), code).inc()
             return web.Response(
                 status=exc.status,
-                body=error_body(msg, "invalid_request_error", None, code),
+                body=anthropic_error_body(exc.status, msg)
+                if _shape(request) == "anthropic"
+                else error_body(msg, "invalid_request_error", None, code),
                 content_type="application/json",
                 headers={"x-request-id": request[REQUEST_ID]},
             )
@@ -578,7 +666,9 @@ def _middleware(gw: Gateway) -> Any:
             gw.metrics.errors.labels(request[POOL], "500", "internal_error").inc()
             return web.Response(
                 status=500,
-                body=error_body("internal gateway error", "internal_error", None, "internal_error"),
+                body=ApiError(
+                    500, "internal gateway error", "internal_error", code="internal_error"
+                ).body(_shape(request)),
                 content_type="application/json",
             )
 

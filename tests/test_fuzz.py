@@ -50,6 +50,8 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("POST", "/generate"),
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/messages"),
     ("GET", "/v1/models"),
     ("POST", "/debug/route"),
     ("GET", "/workers"),

@@ -1,9 +1,10 @@
 """The HTTP API of a simulated worker (aiohttp): OpenAI endpoints plus each engine's own.
 
 Both flavors: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not, ``usage``
-with ``prompt_tokens_details.cached_tokens``), ``/v1/models``, ``/health``, ``/ping``,
+with ``prompt_tokens_details.cached_tokens``), ``/v1/responses`` (``agent_apis``), ``/v1/models``, ``/health``, ``/ping``,
 ``/version``, ``/metrics``, ``/tokenize``, ``/detokenize``, and the simulator's
-``/sim/state`` and ``POST /sim/fault``. vLLM adds ``/reset_prefix_cache``,
+``/sim/state`` and ``POST /sim/fault``. vLLM adds ``/v1/messages`` (Anthropic's API),
+``/reset_prefix_cache``,
 ``/kv_event_sources`` (vLLM 0.32+'s object keyed by data-parallel rank), ``/load``,
 ``/v1/chat/completions/render`` and ``/v1/completions/render`` (vLLM's render API: the token
 ids a request becomes, as a ``GenerateRequest``), and ``/get_server_info`` (the ``block_size``
@@ -27,6 +28,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
+from loadtest.enginesim.agent_apis import (
+    EventShape,
+    MessagesShape,
+    ResponsesShape,
+    anthropic_error,
+    parse_messages,
+    parse_responses,
+)
 from loadtest.enginesim.api import (
     ApiError,
     GenRequest,
@@ -71,6 +80,7 @@ def build_app(worker: SimWorker) -> web.Application:
     r = app.router
     r.add_post("/v1/completions", h.completions)
     r.add_post("/v1/chat/completions", h.chat)
+    r.add_post("/v1/responses", h.responses)
     r.add_get("/v1/models", h.models_list)
     for path in ("/health", "/ping"):
         r.add_get(path, h.health)
@@ -82,6 +92,7 @@ def build_app(worker: SimWorker) -> web.Application:
     r.add_get("/sim/state", h.sim_state)
     r.add_post("/sim/fault", h.sim_fault)
     if worker.config.flavor == "vllm":
+        r.add_post("/v1/messages", h.messages)
         r.add_post("/reset_prefix_cache", h.reset_prefix_cache)
         r.add_get("/kv_event_sources", h.kv_event_sources)
         r.add_get("/load", h.load)
@@ -116,6 +127,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
+        if request.path == "/v1/messages":
+            return _json(anthropic_error(exc.status, exc.body()), exc.status)
         return _json(exc.body(), exc.status)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -154,6 +167,20 @@ class _Handlers:
         shape = _ChatShape(self, f"chatcmpl-{uuid.uuid4().hex}")
         return await self._generate(request, g, ids, shape, body)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        body = await _body(request)
+        g = parse_responses(body, self.served, self.cfg.scheduler.default_max_tokens)
+        ids = pack_tokens(await self._chat_ids(g))
+        shape = ResponsesShape(self.cfg.model, self.codec.output_text, body)
+        return await self._generate(request, g, ids, shape, body)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        body = await _body(request)
+        g = parse_messages(body, self.served)
+        ids = pack_tokens(await self._chat_ids(g))
+        shape = MessagesShape(self.cfg.model, self.codec.output_text)
+        return await self._generate(request, g, ids, shape, body)
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request)
         g = parse_generate(body)
@@ -190,7 +217,7 @@ class _Handlers:
         request: web.Request,
         g: GenRequest,
         ids: bytes,
-        shape: _Shape,
+        shape: _Shape | EventShape,
         body: dict[str, Any] | None = None,
     ) -> web.StreamResponse:
         check_prompt(ids, g.max_tokens, self.cfg.scheduler.max_model_len, self.codec.vocab_size)
@@ -217,7 +244,7 @@ class _Handlers:
                 self.w.abort(gen)
 
     async def _stream(
-        self, request: web.Request, g: GenRequest, gen: Generation, shape: _Shape
+        self, request: web.Request, g: GenRequest, gen: Generation, shape: _Shape | EventShape
     ) -> web.StreamResponse:
         # Like vLLM, nothing is sent (not even headers) before the first token: the engine's
         # output generator yields its role chunk on the first result. A failure before then
@@ -230,8 +257,7 @@ class _Handlers:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
-        for first in shape.opening():
-            await resp.write(_sse(first))
+        await resp.write(shape.sse_opening(gen))
         sent = 0
         while True:
             if not (gen.produced > sent or gen.finished or gen.error):
@@ -240,13 +266,13 @@ class _Handlers:
                 await resp.write(_sse(error_body(503, gen.error)))
                 return resp
             if gen.produced > sent or gen.finished:
-                await resp.write(_sse(shape.chunk(gen, sent, gen.produced)))
+                data = shape.sse_chunk(gen, sent, gen.produced)
+                if data:
+                    await resp.write(data)
                 sent = gen.produced
             if gen.finished:
                 break
-        if g.include_usage:
-            await resp.write(_sse(shape.usage_chunk(gen)))
-        await resp.write(_DONE)
+        await resp.write(shape.sse_closing(gen, g.include_usage))
         await resp.write_eof()
         return resp
 
@@ -592,6 +618,15 @@ class _Shape:
 
     def full(self, gen: Generation) -> dict[str, Any]:
         raise NotImplementedError
+
+    def sse_opening(self, gen: Generation) -> bytes:
+        return b"".join(map(_sse, self.opening()))
+
+    def sse_chunk(self, gen: Generation, start: int, end: int) -> bytes:
+        return _sse(self.chunk(gen, start, end))
+
+    def sse_closing(self, gen: Generation, include_usage: bool) -> bytes:
+        return (_sse(self.usage_chunk(gen)) if include_usage else b"") + _DONE
 
     def _envelope(self, obj: str, choices: list[Any]) -> dict[str, Any]:
         return {
