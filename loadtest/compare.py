@@ -151,6 +151,9 @@ class CompareConfig:
     capacity_ttft_factor: float = 3.0
     systems: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEMS))
     workers: int = 8
+    #: data-parallel ranks per worker, each a prefix cache and engine core of its own (the
+    #: offline bound and capacity count ranks as workers: a rank is an independent engine)
+    dp_size: int = 1
     #: KV blocks per worker; 0: what the model leaves in GPU memory (the settings below)
     kv_blocks: int = 0
     block_size: int = 16
@@ -517,7 +520,7 @@ def pick_best(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 def _cluster(cfg: CompareConfig) -> ClusterConfig:
     return ClusterConfig(
-        workers=cfg.workers,
+        workers=cfg.workers * cfg.dp_size,
         policy="round_robin",
         kv_blocks=_kv_blocks(cfg),
         block_size=cfg.block_size,
@@ -562,7 +565,9 @@ def neutral_capacity(
         shown = round(p99, 2) if math.isfinite(p99) else None
         return ok, {"ttft_p99_ms": shown, "requests": int(mask.sum())}
 
-    found = search_max_rate(probe, start=float(cfg.workers), max_probes=16, rel_tol=0.05, grow=2.0)
+    found = search_max_rate(
+        probe, start=float(cfg.workers * cfg.dp_size), max_probes=16, rel_tol=0.05, grow=2.0
+    )
     if found.rate <= 0:
         raise RuntimeError(f"no rate passed the capacity criterion: {found.probes}")
     fails = [p for p in found.probes if not p["ok"]]
@@ -601,30 +606,38 @@ def window_bound(stream: Stream, rate: float, cfg: CompareConfig) -> dict[str, A
 # -- live runs --------------------------------------------------------------------------------
 
 
-def scrape_workers(urls: list[str]) -> dict[str, dict[str, float]]:
-    """Per worker: requests finished, prompt tokens, cached prompt tokens (engine counters)."""
+def scrape_workers(urls: list[str], dp_size: int = 1) -> dict[str, dict[str, float]]:
+    """Per worker (per data-parallel rank, ``worker-<i>.dp<r>``, when workers have several):
+    requests finished, prompt tokens, cached prompt tokens (engine counters)."""
     out = {}
     for i, url in enumerate(urls):
         with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
             text = resp.read().decode()
-        out[f"worker-{i}"] = {
-            "requests": _metric(text, ("vllm:request_success_total", "sglang:num_requests_total")),
-            "prompt_tokens": _metric(
-                text, ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total")
-            ),
-            "cached_tokens": _metric(
-                text, ("vllm:prefix_cache_hits_total", "sglang:cached_tokens_total")
-            ),
-        }
+        for rank in range(dp_size) if dp_size > 1 else [None]:
+            name = f"worker-{i}" if rank is None else f"worker-{i}.dp{rank}"
+            out[name] = {
+                "requests": _metric(
+                    text, ("vllm:request_success_total", "sglang:num_requests_total"), rank
+                ),
+                "prompt_tokens": _metric(
+                    text, ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total"), rank
+                ),
+                "cached_tokens": _metric(
+                    text, ("vllm:prefix_cache_hits_total", "sglang:cached_tokens_total"), rank
+                ),
+            }
     return out
 
 
-def _metric(text: str, names: tuple[str, ...]) -> float:
+def _metric(text: str, names: tuple[str, ...], rank: int | None = None) -> float:
+    """The sum of ``names``' series, or of rank ``rank``'s (vLLM labels a data-parallel rank
+    ``engine``, SGLang ``dp_rank``)."""
     total = 0.0
+    tags = (f'engine="{rank}"', f'dp_rank="{rank}"')
     for line in text.splitlines():
         if line.startswith(names) and not line.startswith("#"):
             name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in names:
+            if name in names and (rank is None or any(t in line for t in tags)):
                 total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -699,6 +712,7 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
     }
     stack_cfg = StackConfig(
         workers=cfg.workers,
+        dp_size=cfg.dp_size,
         kv_blocks=_kv_blocks(cfg),
         block_size=cfg.block_size,
         speedup=cfg.speedup,
@@ -880,7 +894,10 @@ class _Runner:
         try:
             snap: dict[str, dict[str, dict[str, float]]] = {}
             timer = threading.Timer(
-                warmup, lambda: snap.setdefault("at_warmup", scrape_workers(stack.worker_urls))
+                warmup,
+                lambda: snap.setdefault(
+                    "at_warmup", scrape_workers(stack.worker_urls, stack.config.dp_size)
+                ),
             )
             dcfg = DriverConfig(
                 base_url=urls[0],
@@ -897,8 +914,10 @@ class _Runner:
                 result = asyncio.run(run_load(items, dcfg, base_urls=urls))
             finally:
                 timer.cancel()
-            before = snap.get("at_warmup") or scrape_workers(stack.worker_urls)
-            per_worker = _delta(scrape_workers(stack.worker_urls), before)
+            before = snap.get("at_warmup") or scrape_workers(
+                stack.worker_urls, stack.config.dp_size
+            )
+            per_worker = _delta(scrape_workers(stack.worker_urls, stack.config.dp_size), before)
         finally:
             _stop_peers(stack, peers)
         measured = [

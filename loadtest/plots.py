@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,7 @@ def compare_plots(report: dict[str, Any], out: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(9, 4.2))
         workers = sorted(
             {w for r in at_top.values() for w in r.get("per_worker") or {}},
-            key=lambda w: int(w.rsplit("-", 1)[1]),
+            key=_worker_order,
         )
         width = 0.8 / max(1, len(systems))
         for k, s in enumerate(systems):
@@ -134,3 +135,8 @@ def _save(fig: Any, path: Path) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
+
+
+def _worker_order(worker: str) -> tuple[int, ...]:
+    """``worker-3`` and ``worker-3.dp1`` (a data-parallel rank) in numeric order."""
+    return tuple(int(part) for part in re.findall(r"\d+", worker))

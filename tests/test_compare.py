@@ -382,3 +382,16 @@ def test_caches_are_reset_only_once_the_workers_are_idle(tmp_path: Path) -> None
         assert done == [200]  # the reset waited for the running request
         assert all(w["index_blocks"] == 0 for w in stack.workers())
         t.join(5)
+
+
+def test_compare_on_data_parallel_workers(tmp_path: Path) -> None:
+    """Workers with data-parallel ranks: kvroute routes and pins each rank's cache; the
+    per-worker table lists the ranks; the bound counts a rank as a worker."""
+    cfg = small(tmp_path, ["kvroute", "smg-round_robin"], workers=1, dp_size=2)
+    report = run_compare(cfg)
+    rows = {r["system"]: r for r in report["results"]}
+    for r in rows.values():
+        assert "error" not in r and r["failed"] == 0, r
+    assert set(rows["kvroute"]["per_worker"]) == {"worker-0.dp0", "worker-0.dp1"}
+    assert rows["kvroute"]["hit_rate"] > rows["smg-round_robin"]["hit_rate"]
+    assert report["config"]["dp_size"] == 2
