@@ -60,6 +60,11 @@ class PoolSettings:
     max_model_len: int = 131072
     policy: str = "ttft"
     policy_params: dict[str, Any] = field(default_factory=dict)
+    #: prefill/decode disaggregation (workers registered with role "decode"): how the decode
+    #: worker is chosen once the prefill worker is (by cache, with ``policy``); "ttft" weighs
+    #: its load against the KV it already holds (less to transfer)
+    decode_policy: str = "ttft"
+    decode_policy_params: dict[str, Any] = field(default_factory=dict)
     cost: CostParams = field(default_factory=CostParams)
     #: strip trailing whitespace and normalise newlines in chat messages (and forward those)
     normalize_prompts: bool = False

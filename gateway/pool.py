@@ -61,6 +61,20 @@ class Pool:
         self.router = Router(
             policy, settings.block_size, index=index, cost=CostModel(settings.cost), rng=rng
         )
+        # prefill/decode disaggregation: ``router`` holds the prefill (and role-less) workers,
+        # this one the decode workers; one index (a decode worker caches what it receives)
+        decode = make_policy(settings.decode_policy, **settings.decode_policy_params)
+        self.decode_router = Router(
+            decode, settings.block_size, index=index, cost=CostModel(settings.cost), rng=rng
+        )
+
+    @property
+    def disaggregated(self) -> bool:
+        """Requests go to a prefill and a decode worker (some worker registered as decode)."""
+        return bool(self.decode_router.workers())
+
+    def router_for(self, role: str) -> Router:
+        return self.decode_router if role == "decode" else self.router
 
     async def prepare(self, req: ClientRequest) -> Prepared:
         t0 = time.perf_counter()

@@ -24,12 +24,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
 from gateway.apis import APIS
 from gateway.config import ProxySettings
+from gateway.disagg import new_room, sglang_pair_body, vllm_decode_body, vllm_prefill_body
 from gateway.errors import ApiError, ErrorShape, stream_error
 from gateway.metrics import GatewayMetrics
 from gateway.pinning import pin_rank
@@ -135,10 +137,19 @@ class _SseResponse(web.StreamResponse):
 class _Retry(Exception):
     """This attempt failed before the client saw a byte: try another worker."""
 
-    def __init__(self, cause: str, fatal: bool, message: str) -> None:
+    def __init__(self, cause: str, fatal: bool, message: str, worker: str | None = None) -> None:
         super().__init__(message)
         self.cause = cause
         self.fatal = fatal
+        self.worker = worker  # the worker that failed (None: the attempt's own)
+
+
+class _Answered(Exception):
+    """A prefill worker refused the request itself (a 4xx): its answer is the client's."""
+
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(f"prefill answered {response.status}")
+        self.response = response
 
 
 class Proxy:
@@ -208,18 +219,32 @@ class Proxy:
                 decision = pool.router.route(
                     prep.keys, prep.prompt_tokens, now, session_key=session_key, exclude=exclude
                 )
+                decode = None
+                if pool.disaggregated:
+                    decode = pool.decode_router.route(
+                        prep.keys, prep.prompt_tokens, now, session_key=session_key,
+                        exclude=exclude,
+                    )  # fmt: skip
             except NoCandidates:
                 break
             self.metrics.decision.labels(pool.name).observe(time.perf_counter() - t0)
             try:
+                if decode is not None:
+                    return await self._attempt_pair(
+                        request, creq, pool, prep, path, body, headers, decision, decode,
+                        inject_usage,
+                    )  # fmt: skip
                 return await self._attempt(
                     request, creq, pool, prep, path, body, headers, decision, inject_usage
                 )
+            except _Answered as exc:
+                return exc.response
             except _Retry as exc:
                 last = exc
-                tried.add(decision.worker)
-                self.metrics.retries.labels(pool.name, decision.worker, exc.cause).inc()
-                log.info("retrying request away from %s: %s", decision.worker, exc)
+                failed = exc.worker or decision.worker
+                tried.add(failed)
+                self.metrics.retries.labels(pool.name, failed, exc.cause).inc()
+                log.info("retrying request away from %s: %s", failed, exc)
         if last is not None:
             raise ApiError(
                 502,
@@ -247,10 +272,13 @@ class Proxy:
         headers: dict[str, str],
         decision: Decision,
         inject_usage: bool,
+        prefill: Decision | None = None,
     ) -> web.StreamResponse:
+        """Send the request to ``decision.worker`` and relay its answer. ``prefill``: the
+        request is the decode half of a disaggregated pair (the decode router's worker)."""
         wid = decision.worker
         entry = self.registry.workers[wid]
-        router = pool.router
+        router = pool.router if prefill is None else pool.decode_router
         m = self.metrics
         self.registry.on_send(wid)
         ticket = router.started(decision, prep.prompt_tokens, self.clock())
@@ -292,7 +320,7 @@ class Proxy:
                 m.matched_tokens.labels(pool.name, wid).inc(decision.matched_tokens)
                 if resp.status >= 400:
                     return await self._error_response(resp, first, wid)
-                headers = self._client_headers(resp, decision, request)
+                headers = self._client_headers(resp, decision, request, prefill)
                 if creq.stream and resp.headers.get("content-type", "").startswith(
                     "text/event-stream"
                 ):
@@ -371,9 +399,14 @@ class Proxy:
         )
 
     def _client_headers(
-        self, resp: aiohttp.ClientResponse, decision: Decision, request: web.Request
+        self,
+        resp: aiohttp.ClientResponse,
+        decision: Decision,
+        request: web.Request,
+        prefill: Decision | None = None,
     ) -> dict[str, str]:
-        """The worker's response headers minus hop-by-hop ones, plus the routing headers."""
+        """The worker's response headers minus hop-by-hop ones, plus the routing headers
+        (a disaggregated pair: the decode worker's, and the prefill worker's match)."""
         headers = {
             k: v
             for k, v in resp.headers.items()
@@ -384,8 +417,161 @@ class Proxy:
         headers["x-kvroute-reason"] = decision.reason
         if decision.predicted_ttft_ms is not None:
             headers["x-kvroute-predicted-ttft-ms"] = f"{decision.predicted_ttft_ms:.1f}"
+        if prefill is not None:
+            headers["x-kvroute-prefill-worker"] = prefill.worker
+            headers["x-kvroute-prefill-matched-tokens"] = str(prefill.matched_tokens)
         headers["x-request-id"] = request[REQUEST_ID]
         return headers
+
+    # -- prefill/decode disaggregation (gateway.disagg) -------------------------------------
+
+    async def _attempt_pair(
+        self,
+        request: web.Request,
+        creq: ClientRequest,
+        pool: Pool,
+        prep: Prepared,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        prefill: Decision,
+        decode: Decision,
+        inject_usage: bool,
+    ) -> web.StreamResponse:
+        """One disaggregated attempt: the prefill worker ``prefill``, then (vLLM) or with
+        (SGLang) the decode worker ``decode``, in the decode engine's protocol. A failure of
+        either half before the client saw a byte retries the pair without the failed one;
+        the halves live and die together (a cancelled request cancels both)."""
+        entry = self.registry.workers[decode.worker]
+        engine = entry.info.engine if entry.info is not None else "vllm"
+        if engine == "sglang":
+            return await self._pair_sglang(
+                request, creq, pool, prep, path, body, headers, prefill, decode, inject_usage
+            )
+        params = await self._prefill(pool, prep, path, vllm_prefill_body(body), headers, prefill)
+        return await self._decode(
+            request, creq, pool, prep, path, vllm_decode_body(body, params), headers, decode,
+            inject_usage, prefill,
+        )  # fmt: skip
+
+    async def _pair_sglang(
+        self,
+        request: web.Request,
+        creq: ClientRequest,
+        pool: Pool,
+        prep: Prepared,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        prefill: Decision,
+        decode: Decision,
+        inject_usage: bool,
+    ) -> web.StreamResponse:
+        entry = self.registry.workers[prefill.worker]
+        port = entry.info.bootstrap_port if entry.info is not None else None
+        host = urlsplit(entry.url).hostname
+        if port is None or host is None:
+            raise _Retry(
+                "no_bootstrap", False, f"{prefill.worker} registered no bootstrap port",
+                prefill.worker,
+            )  # fmt: skip
+        pair = sglang_pair_body(body, host, port, new_room())
+        first = asyncio.create_task(self._prefill(pool, prep, path, pair, headers, prefill))
+        second = asyncio.create_task(
+            self._decode(
+                request, creq, pool, prep, path, pair, headers, decode, inject_usage, prefill
+            )
+        )
+        try:
+            await asyncio.wait({first, second}, return_when=asyncio.FIRST_COMPLETED)
+            if first.done() and first.exception() is not None and not second.done():
+                # the prefill half failed before its answer began: the decode half waits for
+                # KV that will not come and has sent the client nothing yet
+                raise first.exception()  # type: ignore[misc]
+            return await second
+        finally:
+            for task in (first, second):
+                task.cancel()
+            await asyncio.gather(first, second, return_exceptions=True)
+
+    async def _prefill(
+        self,
+        pool: Pool,
+        prep: Prepared,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        decision: Decision,
+    ) -> dict[str, Any]:
+        """The prefill half: its ``kv_transfer_params`` (vLLM; SGLang's answer is read and
+        dropped, ``{}``). Raises _Retry (blaming the prefill worker) when it fails, and
+        _Answered when it refuses the request itself (the client's error)."""
+        wid = decision.worker
+        entry = self.registry.workers[wid]
+        router, m = pool.router, self.metrics
+        if entry.info is not None and entry.info.dp_rank is not None:
+            body, headers = pin_rank(entry.info.engine, entry.info.dp_rank, body, {}, headers)
+        self.registry.on_send(wid)
+        ticket = router.started(decision, prep.prompt_tokens, self.clock())
+        m.inflight.labels(pool.name, wid).inc()
+        try:
+            try:
+                async with asyncio.timeout(self.settings.first_byte_timeout):
+                    resp = await self.session.post(entry.url + path, data=body, headers=headers)
+            except TimeoutError:
+                raise _with_worker(self._first_byte_timeout(wid), wid) from None
+            except aiohttp.ClientConnectorError as exc:
+                self.registry.on_failure(wid, self.clock(), fatal=True)
+                raise _Retry("connect", True, f"cannot connect to {wid}: {exc}", wid) from None
+            except (aiohttp.ClientError, OSError) as exc:
+                self.registry.on_failure(wid, self.clock(), fatal=False)
+                raise _Retry("send", False, f"{wid} failed: {exc!r}", wid) from None
+            async with resp:
+                router.first_token(ticket, self.clock())
+                m.requests.labels(pool.name, wid, "prefill").inc()
+                m.matched_tokens.labels(pool.name, wid).inc(decision.matched_tokens)
+                m.prompt_tokens.labels(pool.name, wid).inc(prep.prompt_tokens)
+                if resp.status in self.settings.retry_statuses or resp.status >= 500:
+                    self.registry.on_failure(wid, self.clock(), fatal=False)
+                    raise _Retry(f"http_{resp.status}", False, f"{wid} answered {resp.status}", wid)
+                if resp.status >= 400:  # the request itself is bad: no other worker helps
+                    data = await resp.read()
+                    raise _Answered(
+                        web.Response(status=resp.status, body=data, content_type="application/json")
+                    )
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                    async with asyncio.timeout(self.settings.idle_timeout):
+                        data = await resp.read()
+                    self.registry.on_success(wid)
+                    if not isinstance(params := _json(data), dict):
+                        params = {}
+                    kv = params.get("kv_transfer_params")
+                    return kv if isinstance(kv, dict) else {}
+                return {}  # the answer broke after it began: the KV is on its way
+        finally:
+            router.finished(ticket, self.clock())
+            m.inflight.labels(pool.name, wid).dec()
+
+    async def _decode(
+        self,
+        request: web.Request,
+        creq: ClientRequest,
+        pool: Pool,
+        prep: Prepared,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        decision: Decision,
+        inject_usage: bool,
+        prefill: Decision,
+    ) -> web.StreamResponse:
+        """The decode half (the client's answer); a failure blames the decode worker."""
+        try:
+            return await self._attempt(
+                request, creq, pool, prep, path, body, headers, decision, inject_usage, prefill
+            )
+        except _Retry as exc:
+            raise _with_worker(exc, decision.worker) from None
 
     async def _stream(
         self,
@@ -534,6 +720,11 @@ async def _end_with_error(
     with contextlib.suppress(ConnectionError, RuntimeError):
         await out.write(stream_error(shape, message))
         await out.write_eof()
+
+
+def _with_worker(exc: _Retry, worker: str) -> _Retry:
+    exc.worker = exc.worker or worker
+    return exc
 
 
 def _json(data: bytes) -> Any:

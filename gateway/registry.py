@@ -40,6 +40,11 @@ class WorkerEntry:
     info: WorkerInfo | None = None
     labels: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def role(self) -> str:
+        """ "prefill", "decode" or "" (whole requests)."""
+        return self.info.role if self.info is not None else ""
+
 
 def check_upstream_url(url: str, allowed: list[str]) -> str | None:
     """Why ``url`` may not be used as an upstream (None: it may)."""
@@ -75,7 +80,10 @@ def check_upstream_url(url: str, allowed: list[str]) -> str | None:
 
 
 def _check_rank(info: WorkerInfo) -> str | None:
-    """Why a registration's data-parallel rank cannot be pinned to (None: it can)."""
+    """Why a registration's data-parallel rank cannot be pinned to, or its role is unknown
+    (None: it can be routed to)."""
+    if info.role not in ("", "prefill", "decode"):
+        return f"unknown role {info.role!r} (prefill, decode or empty)"
     rank = info.dp_rank
     if rank is None or 0 <= rank < info.dp_size:
         return None
@@ -139,7 +147,9 @@ class Registry:
                     removed.append(wid)
                 continue
             self.rejected.pop(wid, None)
-            if entry is not None and (entry.url != info.url or entry.pool is not pool):
+            if entry is not None and (
+                entry.url != info.url or entry.pool is not pool or entry.role != info.role
+            ):
                 self._remove(wid)
                 removed.append(wid)
                 entry = None
@@ -156,11 +166,12 @@ class Registry:
         whole engine blocks only, and an agent learns its engine's size after it registers
         (vLLM says it in ``/metrics``). A pool's engines share one size; take the coarsest."""
         for pool in self.pools:
-            pool.router.engine_block_size = max(
+            size = max(
                 (e.info.engine_block_size for e in self.workers.values()
                  if e.pool is pool and e.info is not None),
                 default=1,
             )  # fmt: skip
+            pool.router.engine_block_size = pool.decode_router.engine_block_size = size
 
     def _pool_of(self, info: WorkerInfo) -> Pool | None:
         return self._by_model.get(info.pool) or self._by_model.get(info.model)
@@ -178,12 +189,12 @@ class Registry:
             info=info,
             labels=dict(info.labels) if info else {},
         )
-        pool.router.add_worker(wid)
+        pool.router_for(info.role if info else "").add_worker(wid)
 
     def _remove(self, wid: str) -> None:
         entry = self.workers.pop(wid, None)
         if entry is not None:
-            entry.pool.router.remove_worker(wid)
+            entry.pool.router_for(entry.role).remove_worker(wid)
         self._unhealthy.discard(wid)
 
     # -- health -----------------------------------------------------------------------------

@@ -163,7 +163,7 @@ class Gateway:
             rep = self.consumer.report(worker)
             entry = self.registry.workers.get(worker)
             if rep is not None and entry is not None:
-                entry.pool.router.loads.report(worker, rep, self.clock())
+                entry.pool.router_for(entry.role).loads.report(worker, rep, self.clock())
             return
         added, removed = self.registry.sync(self.consumer.workers())
         for w in removed:
@@ -176,6 +176,7 @@ class Gateway:
             now = self.clock()
             for p in self.pools:
                 p.router.tick(now)
+                p.decode_router.loads.refresh(now)  # one index: the first tick expired it
             self._update_gauges(now)
             await asyncio.sleep(0.1)
 
@@ -222,7 +223,7 @@ class Gateway:
             m.circuit.labels(pool, wid).set(_circuit_value(e.circuit.state))
             m.healthy.labels(pool, wid).set(1 if self.registry.healthy(wid, now) else 0)
             m.index_blocks.labels(pool, wid).set(counts.get(wid, 0))
-            rep = e.pool.router.loads.last_report(wid)
+            rep = e.pool.router_for(e.role).loads.last_report(wid)
             m.kv_usage.labels(pool, wid).set(rep.kv_usage if rep else 0.0)
         for p in self.pools:
             members = [w for w, e in self.registry.workers.items() if e.pool is p]
@@ -520,7 +521,7 @@ class Gateway:
         counts = self.index.block_counts()
         out = []
         for wid, e in sorted(self.registry.workers.items()):
-            loads = e.pool.router.loads
+            loads = e.pool.router_for(e.role).loads
             v = loads.view(wid)
             rep = loads.last_report(wid)
             out.append(
@@ -551,6 +552,7 @@ class Gateway:
                     "engine_block_size": e.info.engine_block_size if e.info else None,
                     "kv_capacity_blocks": e.info.kv_capacity_blocks if e.info else None,
                     "dp_rank": e.info.dp_rank if e.info else None,
+                    "role": e.role,
                     "engine_id": e.info.engine_id if e.info else "",
                     "epoch": e.info.epoch if e.info else None,
                     "labels": e.labels,

@@ -100,6 +100,7 @@ class Agent:
         self.subscribers: list[RankSubscriber] = []
         self.ready = asyncio.Event()  # subscribed, initial replay done, first entry written
         self.engine_block_size: int | None = config.engine.block_size
+        self.bootstrap_port: int | None = None  # discovered (SGLang /server_info)
         self._capacity = _Capacity()
         self._session: aiohttp.ClientSession | None = None
         self._stopping = False  # loops end at their next iteration
@@ -267,6 +268,7 @@ class Agent:
                 found = await self._discover()
                 if self.engine_block_size is None:
                     self.engine_block_size = found.block_size
+                self.bootstrap_port = found.bootstrap_port
                 return found.sources
             except (DiscoveryError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 if time.monotonic() > deadline:
@@ -315,6 +317,8 @@ class Agent:
             dp_size=len(self.subscribers) or 1,
             dp_rank=None if d is None else d.rank,
             engine_id=cfg.worker_id if d is not None and d.rank is not None else "",
+            role=cfg.role,
+            bootstrap_port=cfg.bootstrap_port or self.bootstrap_port,
             labels=dict(cfg.labels),
             epoch=self.epoch,
             started_at=self.epoch / 1e6,

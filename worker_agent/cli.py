@@ -26,6 +26,8 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model", str, "served model name"),
     "--pool": ("pool", str, "pool name (default: the model)"),
     "--worker-url": ("worker_url", str, "URL the gateway routes to (default: engine URL)"),
+    "--role": ("role", str, "prefill or decode (disaggregation; default: both)"),
+    "--bootstrap-port": ("bootstrap_port", int, "SGLang prefill: disaggregation bootstrap port"),
     "--events": ("engine.events", str, "tcp://HOST:PORT of the engine's KV event PUB"),
     "--replay": ("engine.replay", str, "tcp://HOST:PORT of the engine's replay socket"),
     "--topic": ("engine.topic", str, "KV event topic"),

@@ -34,12 +34,20 @@ class RedisConfig:
     max_stream_len: int = 1_000_000
 
 
+#: worker roles: both halves of a request, or one of prefill/decode disaggregation
+ROLES = ("", "prefill", "decode")
+
+
 @dataclass
 class AgentConfig:
     worker_id: str = ""
     model: str = ""
     pool: str = ""  # defaults to the model
     worker_url: str | None = None  # the URL the gateway routes to (default: engine.url)
+    #: prefill/decode disaggregation: "prefill" or "decode" (empty: the engine serves both)
+    role: str = ""
+    #: SGLang prefill: the engine's disaggregation bootstrap port (decode engines pull from it)
+    bootstrap_port: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
     block_size: int = 16  # the pool's canonical block size
     hash_seed: str = "kvroute"  # the deployment's key seed: must equal the gateway's
@@ -61,5 +69,7 @@ class AgentConfig:
             raise ValueError("model is required (--model)")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(map(repr, ROLES))}, got {self.role!r}")
         if self.registration_ttl <= self.heartbeat_interval:
             raise ValueError("registration_ttl must exceed heartbeat_interval")

@@ -134,6 +134,8 @@ class WorkerInfo:
     dp_size: int = 1
     dp_rank: int | None = None
     engine_id: str = ""
+    role: str = ""
+    bootstrap_port: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
     epoch: int = 0
     started_at: float = 0.0

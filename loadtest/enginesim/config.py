@@ -183,6 +183,27 @@ class EventsConfig:
 
 
 @dataclass
+class PdConfig:
+    """Prefill/decode disaggregation: this process's workers are prefill or decode engines
+    that speak their flavor's protocol (vLLM's KV-connector ``kv_transfer_params``, SGLang's
+    bootstrap host/port/room). A decode engine pulls the prompt's KV that it does not hold
+    from the prefill engine, taking ``transfer_overhead_ms`` plus ``transfer_us_per_token``
+    per token moved (both divided by ``timing.speedup``)."""
+
+    role: Literal["", "prefill", "decode"] = ""
+    transfer_us_per_token: float = 5.0  # ~160 KiB/token (70B FP8) over ~32 GB/s
+    transfer_overhead_ms: float = 2.0
+    wait_timeout: float = 30.0  # a decode engine waits this long for the prefill's KV
+
+    def __post_init__(self) -> None:
+        if self.role not in ("", "prefill", "decode"):
+            raise ConfigError(f"pd.role must be prefill, decode or empty, got {self.role!r}")
+        _positive("pd", wait_timeout=self.wait_timeout)
+        if self.transfer_us_per_token < 0 or self.transfer_overhead_ms < 0:
+            raise ConfigError("pd transfer costs must be >= 0")
+
+
+@dataclass
 class SimConfig:
     """``workers`` simulated engines in one process.
 
@@ -207,6 +228,7 @@ class SimConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     timing: TimingConfig = field(default_factory=TimingConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    pd: PdConfig = field(default_factory=PdConfig)
 
     def __post_init__(self) -> None:
         _positive(

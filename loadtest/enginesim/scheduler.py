@@ -96,6 +96,9 @@ class SimRequest:
     _blocks: list[int] = field(default_factory=list, repr=False)  # reserved, not yet cached
     _clock0: int = 0  # decode clock at the first token
     _key: bytes | None = field(default=None, repr=False)  # bigram keys: the prompt's atoms
+    #: disaggregated decode: the prompt's KV came from a prefill engine, so only its last
+    #: token is computed here (the transferred blocks enter this engine's cache as usual)
+    remote: bool = False
 
 
 @dataclass(slots=True)
@@ -190,8 +193,10 @@ class EngineCore:
         now: float,
         *,
         tag: Any = None,
+        remote: bool = False,
     ) -> SimRequest:
-        """Queue a request that arrived at ``now``. Raises ValueError if it is malformed."""
+        """Queue a request that arrived at ``now`` (``remote``: its prompt's KV was prefilled
+        by another engine). Raises ValueError if it is malformed."""
         data = pack_tokens(tokens)
         prompt_len = len(data) // TOKEN_BYTES
         if prompt_len < 1:
@@ -205,7 +210,7 @@ class EngineCore:
             )
         if not self.has_work():
             self._free_at = max(self._free_at, now)
-        req = SimRequest(self._next_rid, data, prompt_len, max_tokens, now, tag)
+        req = SimRequest(self._next_rid, data, prompt_len, max_tokens, now, tag, remote=remote)
         self._next_rid += 1
         self._waiting.append(req)
         self._waiting_tokens += prompt_len
@@ -437,6 +442,8 @@ class EngineCore:
         req._blocks = self.allocator.allocate(need)
         self._private_blocks += need
         req.cached_tokens = req.computed_tokens = m.blocks * bs
+        if req.remote:
+            req.computed_tokens = max(req.computed_tokens, req.prompt_len - 1)
         req.state = RequestState.PREFILL
         req.scheduled_time = now
         st = self.stats

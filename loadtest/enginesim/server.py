@@ -50,6 +50,7 @@ from loadtest.enginesim.api import (
     parse_token_ids,
     pinned_rank,
 )
+from loadtest.enginesim.disagg import decode_source, pull, vllm_prefill_params
 from loadtest.enginesim.kvcache import TOKEN_BYTES, pack_tokens, unpack_tokens
 from loadtest.enginesim.metrics import CONTENT_TYPE
 from loadtest.enginesim.scheduler import RequestTooLarge
@@ -90,6 +91,8 @@ def build_app(worker: SimWorker) -> web.Application:
     r.add_post("/tokenize", h.tokenize)
     r.add_post("/detokenize", h.detokenize)
     r.add_get("/sim/state", h.sim_state)
+    if worker.config.pd.role == "prefill":
+        r.add_get("/sim/pd/pull", h.pd_pull)
     r.add_post("/sim/fault", h.sim_fault)
     if worker.config.flavor == "vllm":
         r.add_post("/v1/messages", h.messages)
@@ -221,11 +224,13 @@ class _Handlers:
         body: dict[str, Any] | None = None,
     ) -> web.StreamResponse:
         check_prompt(ids, g.max_tokens, self.cfg.scheduler.max_model_len, self.codec.vocab_size)
-        rank = pinned_rank(self.cfg.flavor, request.headers, body or {})
+        body = body or {}
+        rank = pinned_rank(self.cfg.flavor, request.headers, body)
         if not self.w.alive:
             raise ApiError(503, "The engine is not running")
+        key, params, remote = await self._disaggregation(g, ids, body, rank)
         try:
-            gen = self.w.submit(ids, g.max_tokens, stream=g.stream, rank=rank)
+            gen = self.w.submit(ids, g.max_tokens, stream=g.stream, rank=rank, remote=remote)
         except RequestTooLarge as exc:
             raise ApiError(400, str(exc), "max_tokens") from None
         except UnknownRank as exc:
@@ -238,10 +243,60 @@ class _Handlers:
                 if gen.error:
                     raise ApiError(503, gen.error)
                 await gen.wait()
-            return _json(shape.full(gen))
+            full = shape.full(gen)
+            if params is not None:
+                full["kv_transfer_params"] = params
+            return _json(full)
         finally:
             if not gen.finished:
                 self.w.abort(gen)
+            if key is not None:
+                if gen.finished:
+                    self.w.transfers.done(key, shape.prompt_tokens)
+                else:
+                    self.w.transfers.failed(key)
+
+    async def _disaggregation(
+        self, g: GenRequest, ids: bytes, body: dict[str, Any], rank: int | None
+    ) -> tuple[str | None, dict[str, Any] | None, bool]:
+        """Prefill/decode disaggregation (``loadtest.enginesim.disagg``): a prefill engine's
+        transfer key and the ``kv_transfer_params`` it answers with (vLLM); for a decode
+        engine, the pull of the prompt's KV from the prefill engine (then ``remote``)."""
+        pd, flavor = self.cfg.pd, self.cfg.flavor
+        if pd.role == "prefill":
+            if flavor == "vllm":
+                asked = body.get("kv_transfer_params")
+                if isinstance(asked, dict) and asked.get("do_remote_decode"):
+                    engine_id = f"sim-{self.w.index}-{self.w.started_at:.6f}"
+                    key, params = vllm_prefill_params(self.cfg.host, self.w.http_port, engine_id)
+                    return key, params, False
+                return None, None, False
+            room = body.get("bootstrap_room")
+            if room is None:
+                return None, None, False
+            if not isinstance(room, int):
+                raise ApiError(400, "bootstrap_room must be an integer", "bootstrap_room")
+            g.max_tokens = 1  # a prefill engine stops at the first token; decode does the rest
+            return f"room-{room}", None, False
+        if pd.role == "decode":
+            source = decode_source(flavor, body)
+            if source is None:
+                if flavor == "sglang":
+                    raise ApiError(400, "a decode engine needs bootstrap_host/port/room")
+                return None, None, False
+            core = self.w.ranks[rank if rank is not None else 0].core
+            uncached = len(ids) // TOKEN_BYTES - core.lookup(ids)
+            await pull(source, pd, self.cfg.timing.speedup, uncached)
+            return None, None, True
+        return None, None, False
+
+    async def pd_pull(self, request: web.Request) -> web.Response:
+        """A decode engine pulls the KV of a finished prefill (waits until it is ready)."""
+        key = request.query.get("key", "")
+        tokens = await self.w.transfers.wait(key, self.cfg.pd.wait_timeout)
+        if tokens is None:
+            raise ApiError(404, f"no KV to transfer under {key!r}")
+        return _json({"key": key, "tokens": tokens})
 
     async def _stream(
         self, request: web.Request, g: GenRequest, gen: Generation, shape: _Shape | EventShape
@@ -478,7 +533,10 @@ class _Handlers:
             "version": ENGINE_VERSIONS["sglang"],
             "internal_states": [{"last_gen_throughput": 0.0, "load": core.num_running}],
             "simulated": True,
+            "disaggregation_mode": cfg.pd.role or "null",
         }
+        if cfg.pd.role == "prefill":  # the simulator's bootstrap is its HTTP port
+            info["disaggregation_bootstrap_port"] = self.w.http_port
         pub = self.w.publisher
         if pub is not None:
             kv: dict[str, Any] = {

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from loadtest.enginesim.api import UnknownRank
 from loadtest.enginesim.config import SimConfig
+from loadtest.enginesim.disagg import Transfers
 from loadtest.enginesim.events import EventEncoder, WireFormat
 from loadtest.enginesim.metrics import EngineMetrics
 from loadtest.enginesim.publisher import EventPublisher
@@ -127,6 +128,7 @@ class SimWorker:
             for r in range(dp)
         ]
         self.metrics = EngineMetrics(config.flavor, config.model, self.cores, dp)
+        self.transfers = Transfers()  # prefill role: KV ready for decode engines to pull
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
@@ -408,6 +410,7 @@ class SimWorker:
         *,
         stream: bool,
         rank: int | None = None,
+        remote: bool = False,
     ) -> Generation:
         """Queue a request on rank ``rank``, or on the least loaded rank as the engine's own
         balancer would (raises ValueError/RequestTooLarge on malformed input, UnknownRank)."""
@@ -415,7 +418,7 @@ class SimWorker:
             raise RuntimeError("worker is not running")
         target = self._rank_for(rank)
         loop = asyncio.get_running_loop()
-        req = target.core.add_request(prompt, max_tokens, loop.time())
+        req = target.core.add_request(prompt, max_tokens, loop.time(), remote=remote)
         gen = Generation(req, target)
         req.tag = gen
         target.active[req.rid] = gen
@@ -594,6 +597,7 @@ class SimWorker:
                     await rank.driver
                 rank.driver = None
             self._fail_all(rank, "the engine died")
+        self.transfers.lose_all()
         await self._close_io(spare)
 
     @staticmethod

@@ -47,6 +47,7 @@ class EventSource:
 class Discovery:
     sources: list[EventSource]
     block_size: int | None = None
+    bootstrap_port: int | None = None  # SGLang prefill (disaggregation)
 
 
 #: metric name -> list of (labels text, value); only the names asked for are kept.

@@ -58,7 +58,12 @@ class SglangAdapter(EngineAdapter):
                 replay = resolve_host(f"tcp://{host}:{replay_port + rank}", engine_url)
             sources.append(EventSource(rank, endpoint, replay, str(kv.get("topic") or "")))
         block = kv.get("block_size")
-        return Discovery(sources, block if isinstance(block, int) else None)
+        # a prefill engine under disaggregation: where decode engines pull its KV from
+        boot = info.get("disaggregation_bootstrap_port")
+        prefill = info.get("disaggregation_mode") == "prefill" and isinstance(boot, int)
+        return Discovery(
+            sources, block if isinstance(block, int) else None, boot if prefill else None
+        )
 
     def report(self, samples: Samples, ts: float) -> EngineReport:
         return EngineReport(
