@@ -162,8 +162,13 @@ def test_registry_refuses_a_rank_out_of_range() -> None:
     from gateway.routing.policy import make_policy
     from gateway.routing.router import Router
 
-    router = Router(make_policy("round_robin"), 16)
-    pool = SimpleNamespace(settings=SimpleNamespace(model=MODEL, aliases=[]), router=router)
+    router, decode = Router(make_policy("round_robin"), 16), Router(make_policy("round_robin"), 16)
+    pool = SimpleNamespace(
+        settings=SimpleNamespace(model=MODEL, aliases=[]),
+        router=router,
+        decode_router=decode,
+        router_for=lambda role: decode if role == "decode" else router,
+    )
     reg = Registry([pool], CircuitSettings(), [])  # type: ignore[list-item]
     good = WorkerInfo("w.dp1", "http://127.0.0.1:1", MODEL, dp_size=2, dp_rank=1, engine_id="w")
     bad = WorkerInfo("w.dp2", "http://127.0.0.1:1", MODEL, dp_size=2, dp_rank=2, engine_id="w")

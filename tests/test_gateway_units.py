@@ -295,7 +295,12 @@ def test_pool_engine_block_size_follows_the_registrations() -> None:
     from gateway.routing.router import Router
 
     router = Router(make_policy("round_robin"), 16)
-    pool = SimpleNamespace(settings=SimpleNamespace(model="m", aliases=[]), router=router)
+    pool = SimpleNamespace(
+        settings=SimpleNamespace(model="m", aliases=[]),
+        router=router,
+        decode_router=router,
+        router_for=lambda role: router,
+    )
     reg = Registry([pool], CircuitSettings(), [])  # type: ignore[list-item]
 
     def info(wid: str, ebs: int) -> WorkerInfo:

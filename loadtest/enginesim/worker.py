@@ -542,7 +542,7 @@ class SimWorker:
                             other.events_port = base + other.index
                             other.replay_port = rbase + other.index if rbase else 0
                 return
-            except OSError:
+            except (OSError, zmq.ZMQError):
                 if not contiguous:
                     raise
                 for rank in ranks:
