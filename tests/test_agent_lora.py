@@ -1,0 +1,103 @@
+"""The agent keys LoRA blocks on their adapter's chain (vLLM and SGLang event formats)."""
+
+from __future__ import annotations
+
+import pytest
+from agent_helpers import FLAVORS, batch_payload, removed_event, stored_event
+
+from gateway.contract.wire import Event, Removed, Stored
+from gateway.routing.keys import BlockKeyer
+from worker_agent.canonical import RankCanonicaliser
+from worker_agent.engines.decode import BlockStored, decode_batch
+from worker_agent.metrics import AgentMetrics
+from worker_agent.pipeline import EventPipeline
+
+KEYER = BlockKeyer("test-seed", 16)
+TOKENS = list(range(100, 164))  # 4 canonical blocks
+
+
+def lora_fields(flavor: str, name: str, n: int) -> dict[str, object]:
+    """What each engine version puts on a LoRA block (reference/engines.md §1.6, §2.1)."""
+    if flavor.startswith("vllm"):
+        # lora_id is deprecated but still set; extra_keys carry the name, one entry per block
+        per_block = [name] if flavor == "vllm-0.33" else name
+        return {"lora_id": 1, "lora_name": name, "extra_keys": [per_block] * n}
+    return {"lora_name": name}  # SGLang 0.5.22+: lora_id always None
+
+
+def pipeline() -> tuple[EventPipeline, list[Event]]:
+    out: list[Event] = []
+    return EventPipeline(KEYER, lambda evs, *_: out.extend(evs), AgentMetrics()), out
+
+
+@pytest.mark.parametrize(
+    ("flavor", "page"), [("vllm-0.33", 16), ("vllm-0.23", 32), ("sglang-0.5.23", 1)]
+)
+def test_lora_blocks_are_keyed_on_the_adapter_chain(flavor: str, page: int) -> None:
+    f = FLAVORS[flavor]
+    pipe, out = pipeline()
+    n = len(TOKENS) // page
+    hashes = [1000 + i for i in range(n)]
+    half = n // 2  # two events: a root and its child, as engines publish a chain
+    events = [
+        stored_event(f, hashes[:half], None, TOKENS[: half * page], page,
+                     **lora_fields(flavor, "sql-lora", half)),
+        stored_event(f, hashes[half:], hashes[half - 1], TOKENS[half * page :], page,
+                     **lora_fields(flavor, "sql-lora", n - half)),
+    ]  # fmt: skip
+    assert pipe.on_batch(0, 0, batch_payload(events))
+    want = KEYER.keys(TOKENS, KEYER.adapter_root("sql-lora"))
+    stored = [e for e in out if isinstance(e, Stored)]
+    assert [k for e in stored for k in e.keys] == want
+    assert stored[0].parent is None  # an adapter chain is published as a root
+    assert not set(want) & set(KEYER.keys(TOKENS))  # never the base model's keys
+    assert pipe.mirror.keys() == frozenset(want)
+    out.clear()
+    assert pipe.on_batch(0, 1, batch_payload([removed_event(f, [hashes[-1]])]))
+    gone = [k for e in out if isinstance(e, Removed) for k in e.keys]
+    per = max(page // 16, 1)  # canonical blocks the last engine block completes
+    assert sorted(gone) == sorted(want[-per:]), (gone, want)
+
+
+@pytest.mark.parametrize("flavor", ["vllm-0.33", "sglang-0.5.23"])
+def test_base_and_two_adapters_with_one_prompt_hold_three_disjoint_chains(flavor: str) -> None:
+    f = FLAVORS[flavor]
+    pipe, _ = pipeline()
+    events = [stored_event(f, [1, 2, 3, 4], None, TOKENS, 16)]
+    for i, name in enumerate(("a", "b")):
+        hashes = [10 * (i + 1) + j for j in range(4)]
+        events.append(stored_event(f, hashes, None, TOKENS, 16, **lora_fields(flavor, name, 4)))
+    assert pipe.on_batch(0, 0, batch_payload(events))
+    base = KEYER.keys(TOKENS)
+    a = KEYER.keys(TOKENS, KEYER.adapter_root("a"))
+    b = KEYER.keys(TOKENS, KEYER.adapter_root("b"))
+    assert len({*base, *a, *b}) == 12
+    assert pipe.mirror.keys() == frozenset([*base, *a, *b])
+    # the adapter's blocks go with their engine blocks, the base chain stays
+    assert pipe.on_batch(0, 1, batch_payload([removed_event(f, [10, 11, 12, 13])]))
+    assert pipe.mirror.keys() == frozenset([*base, *b])
+
+
+def test_lora_with_other_extra_keys_or_without_a_name_is_dropped() -> None:
+    f = FLAVORS["vllm-0.33"]
+    mm = stored_event(f, [1], None, TOKENS[:16], 16, lora_id=1, lora_name="a",
+                      extra_keys=[["a", ["img", 0]]])  # fmt: skip
+    unnamed = stored_event(f, [2], None, TOKENS[:16], 16, lora_id=3)  # vLLM before lora_name
+    batch = decode_batch(batch_payload([mm, unnamed]))
+    canon = RankCanonicaliser(KEYER)
+    for ev in batch.events:
+        assert isinstance(ev, BlockStored) and ev.keyed_extra
+        assert canon.stored(ev) == []
+    assert canon.dropped["extra_keys"] == 2
+
+
+def test_sglang_page_size_one_adapter_chain_reaches_across_events() -> None:
+    """Page size 1: engine blocks that complete no canonical block still carry the adapter's
+    chain start, so the first canonical key published is the adapter's, as a root."""
+    canon = RankCanonicaliser(KEYER)
+    parent = None
+    chains = []
+    for i, t in enumerate(TOKENS[:20]):
+        chains += canon.stored(BlockStored([i], parent, [t], 1, lora_name="a"))
+        parent = i
+    assert chains == [(None, KEYER.keys(TOKENS[:16], KEYER.adapter_root("a")))]
