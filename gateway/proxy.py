@@ -175,7 +175,12 @@ class Proxy:
             t0 = time.perf_counter()
             try:
                 decision = pool.router.route(
-                    prep.keys, prep.prompt_tokens, now, session_key=session_key, exclude=exclude
+                    prep.keys,
+                    prep.prompt_tokens,
+                    now,
+                    session_key=session_key,
+                    exclude=exclude,
+                    adapter=prep.adapter,
                 )
             except NoCandidates:
                 break

@@ -154,8 +154,12 @@ class Gateway:
             entry = self.registry.workers.get(worker)
             if rep is not None and entry is not None:
                 entry.pool.router.loads.report(worker, rep, self.clock())
+                entry.pool.router.adapters.report(worker, rep.adapters, rep.max_adapters)
             return
         added, removed = self.registry.sync(self.consumer.workers())
+        for wid, e in self.registry.workers.items():  # the LoRA adapters each one serves
+            if e.info is not None:
+                e.pool.router.adapters.serve(wid, e.info.adapters)
         for w in removed:
             self._forget_worker_metrics(w)
         if added or removed:
@@ -300,6 +304,9 @@ class Gateway:
         pool = self.registry.pool_for(model)
         if pool is not None:
             return pool
+        for p in self.pools:  # a LoRA adapter that some worker of the pool serves
+            if model is not None and p.router.adapters.known(model):
+                return p
         if model is None:
             raise ApiError(
                 400,
@@ -321,7 +328,7 @@ class Gateway:
         creq = parse_body(raw, kind)
         pool = self._pool(creq.model)
         request[POOL] = pool.name
-        prep = await pool.prepare(creq)
+        prep = await pool.prepare(creq, pool.adapter_for(creq.model))
         m = self.metrics
         m.tokenize.labels(pool.name, kind).observe(prep.tokenize_s + prep.keys_s)
         self.rate_limit(client, prep.prompt_tokens + (creq.max_tokens or 0))
@@ -359,10 +366,15 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         self.authenticate(request)
-        data = [
+        data: list[dict[str, Any]] = [
             {"id": name, "object": "model", "created": 0, "owned_by": "kvroute"}
             for name in self.registry.models()
         ]
+        for p in self.pools:  # LoRA adapters, with their base model as vLLM lists them
+            data.extend(
+                {"id": a, "object": "model", "created": 0, "owned_by": "kvroute", "parent": p.name}
+                for a in p.router.adapters.names()
+            )
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -387,7 +399,7 @@ class Gateway:
         peek = _peek_kind(raw)
         creq = parse_body(raw, peek)
         pool = self._pool(creq.model)
-        prep = await pool.prepare(creq)
+        prep = await pool.prepare(creq, pool.adapter_for(creq.model))
         now = self.clock()
         excluded = self.registry.exclude(pool, now)
         t0 = time.perf_counter()
@@ -399,6 +411,7 @@ class Gateway:
             exclude=excluded,
             dry_run=True,
             explain=True,
+            adapter=prep.adapter,
         )
         decision_us = (time.perf_counter() - t0) * 1e6
         return web.json_response(

@@ -47,6 +47,7 @@ class AgentConfig:
     heartbeat_interval: float = 1.0
     registration_ttl: float = 3.0
     report_interval: float = 0.25  # load reports (the gateway wants ≤ 0.5 s)
+    adapters_interval: float = 5.0  # polls of the engine's /v1/models (LoRA adapters served)
     metrics_port: int | None = None  # serve the agent's /metrics here
     metrics_host: str = "0.0.0.0"
     log_level: str = "INFO"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.contract.wire import EngineReport
+from worker_agent.adapters import LORA_INFO, loaded_adapters
 from worker_agent.engines.base import (
     Discovery,
     DiscoveryError,
@@ -38,7 +39,7 @@ class VllmAdapter(EngineAdapter):
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        return (RUNNING, WAITING, KV_USAGE, QUERIES, HITS, CACHE_INFO)
+        return (RUNNING, WAITING, KV_USAGE, QUERIES, HITS, CACHE_INFO, LORA_INFO)
 
     def discover(self, info: Any, engine_url: str) -> Discovery:
         """Accepts a list of per-rank configs, ``{"sources": [...]}``, a map keyed by rank,
@@ -78,6 +79,7 @@ class VllmAdapter(EngineAdapter):
         return Discovery(sources, block if isinstance(block, int) else None)
 
     def report(self, samples: Samples, ts: float) -> EngineReport:
+        adapters, slots = loaded_adapters(samples)
         return EngineReport(
             running=int(total(samples, RUNNING) or 0),
             waiting=int(total(samples, WAITING) or 0),
@@ -86,6 +88,8 @@ class VllmAdapter(EngineAdapter):
             prefix_cache_queries=int(total(samples, QUERIES) or 0),
             prefix_cache_hits=int(total(samples, HITS) or 0),
             ts=ts,
+            adapters=adapters,
+            max_adapters=slots,
         )
 
     def block_size(self, samples: Samples) -> int | None:
