@@ -133,24 +133,29 @@ class _Handlers:
         self.w = worker
         self.cfg = worker.config
         self.codec = worker.codec
-        self.served = {self.cfg.model}
+        self.served = {self.cfg.model, *self.cfg.lora.adapters}
         self.owner = self.cfg.flavor
 
     # -- generation ------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        g = parse_completion(
-            await _body(request), self.served, self.cfg.scheduler.default_max_tokens
-        )
+        body = await _body(request)
+        g = parse_completion(body, self.served, self.cfg.scheduler.default_max_tokens)
         ids = await self._prompt(g)
         shape = _CompletionShape(self, f"cmpl-{uuid.uuid4().hex}")
-        return await self._generate(request, g, ids, shape)
+        return await self._generate(request, g, ids, shape, self._lora(body))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        g = parse_chat(await _body(request), self.served, self.cfg.scheduler.default_max_tokens)
+        body = await _body(request)
+        g = parse_chat(body, self.served, self.cfg.scheduler.default_max_tokens)
         ids = pack_tokens(await self._chat_ids(g))
         shape = _ChatShape(self, f"chatcmpl-{uuid.uuid4().hex}")
-        return await self._generate(request, g, ids, shape)
+        return await self._generate(request, g, ids, shape, self._lora(body))
+
+    def _lora(self, body: dict[str, Any]) -> str | None:
+        """The LoRA adapter a request's ``model`` names (already checked to be served)."""
+        model = body.get("model")
+        return model if model in self.cfg.lora.adapters else None
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         g = parse_generate(await _body(request))
@@ -183,13 +188,18 @@ class _Handlers:
             raise ApiError(400, str(exc), "prompt") from None
 
     async def _generate(
-        self, request: web.Request, g: GenRequest, ids: bytes, shape: _Shape
+        self,
+        request: web.Request,
+        g: GenRequest,
+        ids: bytes,
+        shape: _Shape,
+        lora: str | None = None,
     ) -> web.StreamResponse:
         check_prompt(ids, g.max_tokens, self.cfg.scheduler.max_model_len, self.codec.vocab_size)
         if not self.w.alive:
             raise ApiError(503, "The engine is not running")
         try:
-            gen = self.w.submit(ids, g.max_tokens, stream=g.stream)
+            gen = self.w.submit(ids, g.max_tokens, stream=g.stream, lora=lora)
         except RequestTooLarge as exc:
             raise ApiError(400, str(exc), "max_tokens") from None
         shape.prompt_tokens = len(ids) // TOKEN_BYTES
@@ -252,7 +262,12 @@ class _Handlers:
             "max_model_len": self.cfg.scheduler.max_model_len,
             "permission": [],
         }
-        return _json({"object": "list", "data": [card]})
+        # LoRA adapters as vLLM lists them: root = the adapter's path, parent = the base
+        loras = [
+            {**card, "id": name, "root": f"/adapters/{name}", "parent": self.cfg.model}
+            for name in self.cfg.lora.adapters
+        ]
+        return _json({"object": "list", "data": [card, *loras]})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)

@@ -309,12 +309,20 @@ class SimWorker:
 
     # -- generation ------------------------------------------------------------------------
 
-    def submit(self, prompt: Sequence[int] | bytes, max_tokens: int, *, stream: bool) -> Generation:
-        """Queue a request (raises ValueError/RequestTooLarge on malformed input)."""
+    def submit(
+        self,
+        prompt: Sequence[int] | bytes,
+        max_tokens: int,
+        *,
+        stream: bool,
+        lora: str | None = None,
+    ) -> Generation:
+        """Queue a request, for LoRA adapter ``lora`` if given (raises
+        ValueError/RequestTooLarge on malformed input)."""
         if not self.alive:
             raise RuntimeError("worker is not running")
         loop = asyncio.get_running_loop()
-        req = self.core.add_request(prompt, max_tokens, loop.time())
+        req = self.core.add_request(prompt, max_tokens, loop.time(), lora=lora)
         gen = Generation(req)
         req.tag = gen
         self._active[req.rid] = gen
@@ -346,6 +354,7 @@ class SimWorker:
             evict_whole_nodes=cfg.evict_whole_nodes,
             record_events=cfg.events.enabled,
             output_tokens=self.codec.output_ids,
+            lora=cfg.lora,
         )
 
     def _timing(self) -> TimingModel:
