@@ -1,12 +1,10 @@
-"""LoRA adapters of the engine: which it serves (registration) and which are loaded (load).
+"""LoRA adapters the engine serves, for the registration.
 
-* Served: the engine's OpenAI ``GET /v1/models`` lists each LoRA adapter as a card whose
-  ``parent`` is the base model (vLLM ``--lora-modules``, adapters loaded at runtime, SGLang
-  ``--lora-paths``). The agent polls it and registers the names, so a gateway routes a
-  request naming an adapter only to workers that serve it.
-* Loaded: vLLM's ``vllm:lora_requests_info`` gauge names, in its labels, the adapters of the
-  running and waiting requests and the number of GPU slots (``max_lora``). A series is kept
-  per label set and set to the current time, so the newest (largest value) is the present.
+The engine's OpenAI ``GET /v1/models`` lists each LoRA adapter as a card whose ``parent`` is
+the base model (vLLM ``--lora-modules`` and adapters loaded at runtime). The agent polls it
+and registers the names, so a gateway routes a request naming an adapter only to workers
+that serve it. Which adapters are *loaded* comes with the load report (the engine adapter's
+``/metrics`` parsing, e.g. ``vllm:lora_requests_info``).
 """
 
 from __future__ import annotations
@@ -18,14 +16,11 @@ from typing import Any
 
 import aiohttp
 
-from worker_agent.engines.base import Samples, label
-
-__all__ = ["LORA_INFO", "MODELS_PATH", "ServedAdapters", "loaded_adapters", "served_adapters"]
+__all__ = ["MODELS_PATH", "ServedAdapters", "served_adapters"]
 
 log = logging.getLogger(__name__)
 
 MODELS_PATH = "/v1/models"
-LORA_INFO = "vllm:lora_requests_info"
 
 
 def served_adapters(doc: Any, base: str) -> tuple[str, ...]:
@@ -42,19 +37,6 @@ def served_adapters(doc: Any, base: str) -> tuple[str, ...]:
         and card["id"] != base
     }
     return tuple(sorted(out))
-
-
-def loaded_adapters(samples: Samples) -> tuple[tuple[str, ...] | None, int | None]:
-    """(adapters loaded now, GPU slots) from ``vllm:lora_requests_info``; None if absent."""
-    series = samples.get(LORA_INFO)
-    if not series:
-        return None, None
-    labels, _ = max(series, key=lambda s: s[1])
-    names: set[str] = set()
-    for key in ("running_lora_adapters", "waiting_lora_adapters"):
-        names.update(n for n in (label(labels, key) or "").split(",") if n)
-    slots = label(labels, "max_lora")
-    return tuple(sorted(names)), int(slots) if slots and slots.isdigit() else None
 
 
 class ServedAdapters:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.contract.wire import EngineReport
-from worker_agent.adapters import LORA_INFO, loaded_adapters
 from worker_agent.engines.base import (
     Discovery,
     DiscoveryError,
@@ -27,6 +26,7 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
 CACHE_INFO = "vllm:cache_config_info"  # labels carry num_gpu_blocks and block_size
+LORA_INFO = "vllm:lora_requests_info"  # labels carry running/waiting adapters, max_lora
 
 
 class VllmAdapter(EngineAdapter):
@@ -128,3 +128,21 @@ def _rank(cfg: dict[str, Any], default: int) -> int:
         if isinstance(cfg.get(key), int):
             return int(cfg[key])
     return default
+
+
+def loaded_adapters(samples: Samples) -> tuple[tuple[str, ...] | None, int | None]:
+    """(LoRA adapters loaded now, GPU slots) from ``vllm:lora_requests_info`` (None: absent).
+
+    Its labels name the adapters of the running and waiting requests and ``max_lora``;
+    vLLM keeps a series per label set, set to the time of the update, so the newest (the
+    largest value) is the present.
+    """
+    series = samples.get(LORA_INFO)
+    if not series:
+        return None, None
+    labels, _ = max(series, key=lambda s: s[1])
+    names: set[str] = set()
+    for key in ("running_lora_adapters", "waiting_lora_adapters"):
+        names.update(n for n in (label(labels, key) or "").split(",") if n)
+    slots = label(labels, "max_lora")
+    return tuple(sorted(names)), int(slots) if slots and slots.isdigit() else None
