@@ -101,3 +101,42 @@ def test_sglang_page_size_one_adapter_chain_reaches_across_events() -> None:
         chains += canon.stored(BlockStored([i], parent, [t], 1, lora_name="a"))
         parent = i
     assert chains == [(None, KEYER.keys(TOKENS[:16], KEYER.adapter_root("a")))]
+
+
+def test_served_adapters_from_vllm_and_sglang_model_lists() -> None:
+    from worker_agent.adapters import served_adapters
+
+    vllm = {  # vLLM: a card per --lora-modules entry, parent = the base model
+        "object": "list",
+        "data": [
+            {"id": "llama", "root": "meta/llama", "parent": None, "max_model_len": 8192},
+            {"id": "sql-lora", "root": "/adapters/sql", "parent": "llama"},
+            {"id": "chat-lora", "root": "/adapters/chat", "parent": "llama"},
+        ],
+    }
+    assert served_adapters(vllm, "llama") == ("chat-lora", "sql-lora")
+    sglang = {"data": [{"id": "ds", "root": "ds"}, {"id": "a", "root": "/l/a", "parent": "ds"}]}
+    assert served_adapters(sglang, "ds") == ("a",)
+    assert served_adapters({"data": [{"id": "m"}]}, "m") == ()
+    with pytest.raises(ValueError):
+        served_adapters(["not", "a", "list"], "m")
+
+
+def test_loaded_adapters_from_vllm_lora_requests_info() -> None:
+    from worker_agent.engines.base import parse_metrics
+    from worker_agent.engines.vllm import VllmAdapter
+
+    text = (
+        "# TYPE vllm:lora_requests_info gauge\n"
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a",'
+        'waiting_lora_adapters=""} 1.7e9\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="b,c",'
+        'waiting_lora_adapters="d"} 1.8e9\n'
+        'vllm:num_requests_running{model_name="m",engine="0"} 3\n'
+    )
+    adapter = VllmAdapter()
+    report = adapter.report(parse_metrics(text, adapter.metric_names), 1.0)
+    assert report.adapters == ("b", "c", "d") and report.max_adapters == 2  # the newest series
+    assert report.running == 3
+    plain = adapter.report(parse_metrics(text.split("# TYPE")[0], adapter.metric_names), 1.0)
+    assert plain.adapters is None and plain.max_adapters is None
