@@ -493,6 +493,8 @@ class Gateway:
                     "kv_capacity_blocks": e.info.kv_capacity_blocks if e.info else None,
                     "epoch": e.info.epoch if e.info else None,
                     "labels": e.labels,
+                    "adapters": e.pool.router.adapters.served_by(wid),
+                    "adapters_loaded": e.pool.router.adapters.loaded_on(wid),
                 }
             )
         return web.json_response({"workers": out, "rejected_registrations": self.registry.rejected})

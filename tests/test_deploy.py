@@ -1012,8 +1012,13 @@ def test_lora_adapters_reach_the_engines_and_the_gateway(
     eargs = container(workers(docs)[0], "engine")["args"]
     i = eargs.index("--lora-modules")
     assert "--enable-lora" in eargs
-    assert eargs[i + 1 : i + 3] == ["sql-lora=org/llama-3.1-70b-sql-lora", "support-lora=/adapters/support"]
-    assert engine_flag(eargs, "--max-loras") == "2" and engine_flag(eargs, "--max-lora-rank") == "64"
+    assert eargs[i + 1 : i + 3] == [
+        "sql-lora=org/llama-3.1-70b-sql-lora",
+        "support-lora=/adapters/support",
+    ]
+    assert (
+        engine_flag(eargs, "--max-loras") == "2" and engine_flag(eargs, "--max-lora-rank") == "64"
+    )
     for name in RENDERS:  # no adapters configured: no LoRA flags
         if name != "vllm-values.yaml":
             for d in workers(rendered[name]):
@@ -1034,5 +1039,7 @@ def test_lora_adapters_reach_the_engines_and_the_gateway(
     sargs = container(workers(sdocs)[0], "engine")["args"]
     assert engine_flag(sargs, "--lora-paths") == "a=/lora/a"
     assert engine_flag(sargs, "--max-loras-per-batch") == "3"
-    bad = {"pools": [{"name": "x", "model": "m", "lora": {"adapters": [{"name": "a=b", "path": "p"}]}}]}
+    bad = {
+        "pools": [{"name": "x", "model": "m", "lora": {"adapters": [{"name": "a=b", "path": "p"}]}}]
+    }
     assert render_with(helm, tmp_path, bad).returncode != 0

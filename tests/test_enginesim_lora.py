@@ -115,9 +115,7 @@ def test_sglang_array_encoding_cannot_name_adapters() -> None:
     from gateway.contract.settings import ConfigError
 
     with pytest.raises(ConfigError, match="lora_name"):
-        SimConfig(
-            flavor="sglang", events=EventsConfig(encoding="array"), lora=LoraConfig(["a"])
-        )
+        SimConfig(flavor="sglang", events=EventsConfig(encoding="array"), lora=LoraConfig(["a"]))
 
 
 async def test_models_list_and_requests_by_adapter_name() -> None:

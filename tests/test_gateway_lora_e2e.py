@@ -30,8 +30,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         log_dir=tmp_path_factory.mktemp("stack-lora"),
         # every engine serves both adapters, one GPU slot each (vLLM's default --max-loras),
         # a 1 s adapter load (50 ms at this speed-up)
-        sim_args=["--set", f"lora.adapters=[{','.join(ADAPTERS)}]", "--set", "lora.max_loras=1",
-                  "--set", "lora.load_ms=1000"],  # fmt: skip
+        sim_args=[
+            *("--set", f"lora.adapters=[{','.join(ADAPTERS)}]"),
+            *("--set", "lora.max_loras=1"),
+            *("--set", "lora.load_ms=1000"),
+        ],
     )
     with Stack(cfg) as s:
         assert wait_for(lambda: set(ADAPTERS) <= set(models(s)), 20.0) is not None
@@ -117,3 +120,14 @@ def test_equal_caches_prefer_the_worker_with_the_adapter_loaded(stack: Stack) ->
     "chat" was loaded, rather than paying an adapter load elsewhere."""
     workers = [complete(stack, "chat", prompt(100 + i, 40))[0] for i in range(6)]
     assert len(set(workers)) == 1, workers
+    status, listing = get_json(stack.gateway_urls[0] + "/workers", ADMIN_KEY)
+    assert status == 200
+    shown = {w["worker_id"]: w for w in listing["workers"]}
+    assert shown[workers[0]]["adapters"] == ["chat", "sql"]
+    assert "chat" in shown[workers[0]]["adapters_loaded"]
+
+
+def get_json(url: str, token: str) -> tuple[int, Any]:
+    req = urllib.request.Request(url, headers={"authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.status, json.loads(resp.read())

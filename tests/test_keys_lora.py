@@ -61,11 +61,7 @@ def test_adapter_chains_are_disjoint_from_base_and_each_other(
 
 
 def test_adapter_root_depends_on_seed_and_block_size() -> None:
-    roots = {
-        BlockKeyer(seed, bs).adapter_root("a")
-        for seed in ("s1", "s2")
-        for bs in (16, 32)
-    }
+    roots = {BlockKeyer(seed, bs).adapter_root("a") for seed in ("s1", "s2") for bs in (16, 32)}
     assert len(roots) == 4
 
 

@@ -75,6 +75,7 @@ def test_slots_evict_the_least_recently_used_adapter() -> None:
     assert not cat.is_loaded("w", "a") and cat.is_loaded("w", "b") and cat.is_loaded("w", "c")
     assert cat.not_loaded("a", ["w", "nobody"]) == {"w", "nobody"}
     assert cat.names() == ["a", "b", "c"]
+    assert cat.loaded_on("w") == ["b", "c"] and cat.served_by("w") == ["a", "b", "c"]
 
 
 @settings(max_examples=80, deadline=None)

@@ -105,6 +105,16 @@ class AdapterCatalog:
         w = self._workers.get(worker)
         return w is not None and adapter in w.loaded
 
+    def served_by(self, worker: str) -> list[str]:
+        """Adapters ``worker`` serves (configured ones included), sorted."""
+        w = self._workers.get(worker)
+        return sorted(self.configured | (w.served if w is not None else frozenset()))
+
+    def loaded_on(self, worker: str) -> list[str]:
+        """Adapters modelled as loaded on ``worker``, least recently used first."""
+        w = self._workers.get(worker)
+        return [] if w is None else list(w.loaded)
+
     def names(self) -> list[str]:
         """Every adapter some worker serves, sorted (the models a client may ask for)."""
         out = set(self.configured)

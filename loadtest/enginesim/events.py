@@ -279,7 +279,9 @@ class EventEncoder:
             pub = [vllm_event_hash(d, fmt.hash_bytes) for d in digests]
             par = None if parent is None else vllm_event_hash(parent, fmt.hash_bytes)
             extra: list[Any] = [None if lora is None else [lora]] * len(pub)
-            lora_id = None if lora is None else self._lora_ids.setdefault(lora, len(self._lora_ids) + 1)
+            lora_id = (
+                None if lora is None else self._lora_ids.setdefault(lora, len(self._lora_ids) + 1)
+            )
             out = [
                 self._stored_t(
                     pub, par, tokens, fmt.block_size, lora_id, fmt.medium, lora,

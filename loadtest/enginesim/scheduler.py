@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loadtest.enginesim.config import CacheConfig, SchedulerConfig
-from loadtest.enginesim.lora import LoraConfig, LoraSlots
 from loadtest.enginesim.kvcache import (
     TOKEN_BYTES,
     BlockAllocator,
@@ -52,6 +51,7 @@ from loadtest.enginesim.kvcache import (
     bigram_atoms,
     pack_tokens,
 )
+from loadtest.enginesim.lora import LoraConfig, LoraSlots
 from loadtest.enginesim.timing import TimingModel
 
 __all__ = [
