@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 from agent_helpers import FLAVORS, batch_payload, removed_event, stored_event
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_agent_canonical import engine_blocks
 
 from gateway.contract.wire import Event, Removed, Stored
 from gateway.routing.keys import BlockKeyer
 from worker_agent.canonical import RankCanonicaliser
-from worker_agent.engines.decode import BlockStored, decode_batch
+from worker_agent.engines.decode import BlockRemoved, BlockStored, decode_batch
 from worker_agent.metrics import AgentMetrics
 from worker_agent.pipeline import EventPipeline
 
@@ -140,3 +143,43 @@ def test_loaded_adapters_from_vllm_lora_requests_info() -> None:
     assert report.running == 3
     plain = adapter.report(parse_metrics(text.split("# TYPE")[0], adapter.metric_names), 1.0)
     assert plain.adapters is None and plain.max_adapters is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bs=st.sampled_from([1, 5, 16, 32]),
+    prompts=st.lists(
+        st.tuples(
+            st.sampled_from([None, "a", "b"]),
+            st.integers(0, 1),
+            st.lists(st.integers(0, 1000), max_size=60),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    gone=st.sampled_from([None, "a", "b"]),
+)
+def test_interleaved_adapters_against_a_reference(
+    bs: int, prompts: list[tuple[str | None, int, list[int]]], gone: str | None
+) -> None:
+    """Against a plain model: the rank holds, per adapter (and the base), the keys of every
+    prompt stored with it on that adapter's chain; dropping one adapter's engine blocks
+    leaves the others' keys exactly."""
+    canon = RankCanonicaliser(KEYER)
+    shared = [list(range(500, 564)), list(range(700, 764))]
+    held: dict[str | None, set[int]] = {None: set(), "a": set(), "b": set()}
+    hashes: dict[str | None, set[str]] = {None: set(), "a": set(), "b": set()}
+    for lora, which, tail in prompts:
+        toks = shared[which] + tail
+        blocks = engine_blocks(toks, bs, salt=f"{lora}|")  # the engine's hash has the adapter
+        if not blocks:
+            continue
+        ev = BlockStored(
+            [h for h, _ in blocks], None, [t for _, b in blocks for t in b], bs, lora_name=lora
+        )
+        canon.stored(ev)
+        hashes[lora].update(h for h, _ in blocks)
+        held[lora] |= set(KEYER.keys(toks[: len(blocks) * bs], KEYER.adapter_root(lora)))
+    assert canon.held == held[None] | held["a"] | held["b"]
+    canon.removed(BlockRemoved(sorted(hashes[gone])))
+    assert canon.held == set().union(*(keys for name, keys in held.items() if name != gone))

@@ -6,6 +6,8 @@ import random
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.routing.keys import BlockKeyer
 from loadtest.enginesim.cluster import SimCluster
@@ -143,3 +145,49 @@ async def test_models_list_and_requests_by_adapter_name() -> None:
         async with s.get(url + "/metrics") as r:
             text = await r.text()
         assert 'vllm:lora_requests_info{max_lora="1"' in text
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.sampled_from([None, "a", "b"]),
+            st.integers(0, 2),  # which shared prefix
+            st.integers(0, 80),  # its length used
+            st.lists(st.integers(1, 50), max_size=40),  # a private tail
+        ),
+        min_size=1,
+        max_size=25,
+    )
+)
+def test_cached_tokens_against_a_per_adapter_reference(
+    requests: list[tuple[str | None, int, int, list[int]]],
+) -> None:
+    """No eviction, one request at a time: a request's cached tokens are its longest
+    block-aligned common prefix with an earlier prompt *of the same adapter* (never the
+    last token), whatever the other adapters and the base model cached."""
+    core = EngineCore(
+        CacheConfig(kv_blocks=4096, block_size=4),
+        SchedulerConfig(),
+        timing_model("mocker"),
+        lora=LoraConfig(["a", "b"], max_loras=2),
+    )
+    prefixes = [prompt(80, 100 + i) for i in range(3)]
+    seen: list[tuple[str | None, list[int]]] = []
+    for i, (lora, which, n, tail) in enumerate(requests):
+        p = prefixes[which][:n] + tail
+        if not p:
+            continue
+        usable = (len(p) - 1) // 4
+        want = 0
+        for other_lora, q in seen:
+            if other_lora == lora:
+                common = next(
+                    (k for k, (x, y) in enumerate(zip(p, q, strict=False)) if x != y),
+                    min(len(p), len(q)),
+                )
+                want = max(want, min(common // 4, len(q) // 4, usable))
+        req = core.add_request(p, 1, float(i), lora=lora)
+        core.advance(float("inf"))
+        assert req.cached_tokens == want * 4
+        seen.append((lora, p))
