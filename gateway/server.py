@@ -316,7 +316,8 @@ class Gateway:
             )
         raise ApiError(
             404,
-            f"The model `{model}` does not exist.",
+            f"The model `{model}` does not exist. It is neither a served model nor a LoRA "
+            "adapter that a worker serves (GET /v1/models lists both).",
             "NotFoundError",
             param="model",
             code="model_not_found",
