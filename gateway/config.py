@@ -71,6 +71,10 @@ class PoolSettings:
     #: token ids kept by the incremental tokenization cache (about 20 bytes each)
     tokenizer_cache_tokens: int = 4_000_000
     static_workers: list[StaticWorker] = field(default_factory=list)
+    #: LoRA adapters every worker of the pool serves (engines started with the same
+    #: ``--lora-modules``); a request names one as its ``model``. Workers also register the
+    #: adapters their engine lists in ``/v1/models``.
+    adapters: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -178,7 +182,7 @@ class GatewayConfig:
             raise ConfigError("pools: at least one pool is required")
         names: set[str] = set()
         for i, p in enumerate(self.pools):
-            for name in [p.model, *p.aliases]:
+            for name in [p.model, *p.aliases, *p.adapters]:
                 if name in names:
                     raise ConfigError(f"pools.{i}: model name {name!r} is served twice")
                 names.add(name)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from gateway.config import PoolSettings
 from gateway.errors import bad_request
 from gateway.requests import ClientRequest, too_long
+from gateway.routing.adapters import AdapterCatalog
 from gateway.routing.costmodel import CostModel
 from gateway.routing.index import ShadowIndex
 from gateway.routing.keys import BlockKeyer, PrefixKeys
@@ -35,6 +36,8 @@ class Prepared:
     keys_s: float
     #: body to forward when the gateway changed it (normalised messages), else None
     body: bytes | None = None
+    #: the LoRA adapter asked for (``keys`` are on its chain), None for the base model
+    adapter: str | None = None
 
 
 class Pool:
@@ -59,7 +62,12 @@ class Pool:
         self.prefix_keys = PrefixKeys(self.keyer, settings.tokenizer_cache_tokens)
         policy = make_policy(settings.policy, **settings.policy_params)
         self.router = Router(
-            policy, settings.block_size, index=index, cost=CostModel(settings.cost), rng=rng
+            policy,
+            settings.block_size,
+            index=index,
+            cost=CostModel(settings.cost),
+            rng=rng,
+            adapters=AdapterCatalog(settings.adapters),
         )
         # prefill/decode disaggregation: ``router`` holds the prefill (and role-less) workers,
         # this one the decode workers; one index (a decode worker caches what it receives)
@@ -76,7 +84,15 @@ class Pool:
     def router_for(self, role: str) -> Router:
         return self.decode_router if role == "decode" else self.router
 
-    async def prepare(self, req: ClientRequest) -> Prepared:
+    def adapter_for(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model)."""
+        if model is None or model == self.settings.model or model in self.settings.aliases:
+            return None
+        return model if self.router.adapters.known(model) else None
+
+    async def prepare(self, req: ClientRequest, adapter: str | None = None) -> Prepared:
+        """Token ids and keys; an ``adapter`` request is tokenized like the base model (the
+        adapter shares its tokenizer and template) and keyed on the adapter's chain."""
         t0 = time.perf_counter()
         tok = self.tokenizer
         body: bytes | None = None
@@ -121,5 +137,6 @@ class Pool:
         err = too_long(len(ids), req.max_tokens, self.settings.max_model_len)
         if err is not None:
             raise err
-        keys = self.prefix_keys.keys(ids, chat.reused, chat.remembered)
-        return Prepared(len(ids), keys, t1 - t0, time.perf_counter() - t1, body)
+        root = self.keyer.adapter_root(adapter)
+        keys = self.prefix_keys.keys(ids, chat.reused, chat.remembered, root)
+        return Prepared(len(ids), keys, t1 - t0, time.perf_counter() - t1, body, adapter)

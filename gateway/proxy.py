@@ -217,7 +217,12 @@ class Proxy:
             t0 = time.perf_counter()
             try:
                 decision = pool.router.route(
-                    prep.keys, prep.prompt_tokens, now, session_key=session_key, exclude=exclude
+                    prep.keys,
+                    prep.prompt_tokens,
+                    now,
+                    session_key=session_key,
+                    exclude=exclude,
+                    adapter=prep.adapter,
                 )
                 decode = None
                 if pool.disaggregated:

@@ -163,9 +163,14 @@ class Gateway:
             rep = self.consumer.report(worker)
             entry = self.registry.workers.get(worker)
             if rep is not None and entry is not None:
-                entry.pool.router_for(entry.role).loads.report(worker, rep, self.clock())
+                router = entry.pool.router_for(entry.role)
+                router.loads.report(worker, rep, self.clock())
+                router.adapters.report(worker, rep.adapters, rep.max_adapters)
             return
         added, removed = self.registry.sync(self.consumer.workers())
+        for wid, e in self.registry.workers.items():  # the LoRA adapters each one serves
+            if e.info is not None:
+                e.pool.router.adapters.serve(wid, e.info.adapters)
         for w in removed:
             self._forget_worker_metrics(w)
         if added or removed:
@@ -311,6 +316,9 @@ class Gateway:
         pool = self.registry.pool_for(model)
         if pool is not None:
             return pool
+        for p in self.pools:  # a LoRA adapter that some worker of the pool serves
+            if model is not None and p.router.adapters.known(model):
+                return p
         if model is None:
             raise ApiError(
                 400,
@@ -320,7 +328,8 @@ class Gateway:
             )
         raise ApiError(
             404,
-            f"The model `{model}` does not exist.",
+            f"The model `{model}` does not exist. It is neither a served model nor a LoRA "
+            "adapter that a worker serves (GET /v1/models lists both).",
             "NotFoundError",
             param="model",
             code="model_not_found",
@@ -334,7 +343,7 @@ class Gateway:
         pool = self._pool(creq.model)
         request[POOL] = pool.name
         skip = self._not_serving(pool, api)
-        prep = await pool.prepare(creq)
+        prep = await pool.prepare(creq, pool.adapter_for(creq.model))
         m = self.metrics
         m.tokenize.labels(pool.name, api.kind).observe(prep.tokenize_s + prep.keys_s)
         self.rate_limit(client, prep.prompt_tokens + (creq.max_tokens or 0))
@@ -431,10 +440,15 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         self.authenticate(request)
-        data = [
+        data: list[dict[str, Any]] = [
             {"id": name, "object": "model", "created": 0, "owned_by": "kvroute"}
             for name in self.registry.models()
         ]
+        for p in self.pools:  # LoRA adapters, with their base model as vLLM lists them
+            data.extend(
+                {"id": a, "object": "model", "created": 0, "owned_by": "kvroute", "parent": p.name}
+                for a in p.router.adapters.names()
+            )
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -460,7 +474,7 @@ class Gateway:
         peek = APIS[api].kind if api in ("responses", "messages") else _peek_kind(raw)  # type: ignore[index]
         creq = parse_body(raw, peek)
         pool = self._pool(creq.model)
-        prep = await pool.prepare(creq)
+        prep = await pool.prepare(creq, pool.adapter_for(creq.model))
         now = self.clock()
         excluded = self.registry.exclude(pool, now)
         t0 = time.perf_counter()
@@ -472,6 +486,7 @@ class Gateway:
             exclude=excluded,
             dry_run=True,
             explain=True,
+            adapter=prep.adapter,
         )
         decision_us = (time.perf_counter() - t0) * 1e6
         return web.json_response(
@@ -556,6 +571,8 @@ class Gateway:
                     "engine_id": e.info.engine_id if e.info else "",
                     "epoch": e.info.epoch if e.info else None,
                     "labels": e.labels,
+                    "adapters": e.pool.router.adapters.served_by(wid),
+                    "adapters_loaded": e.pool.router.adapters.loaded_on(wid),
                 }
             )
         return web.json_response({"workers": out, "rejected_registrations": self.registry.rejected})

@@ -85,7 +85,9 @@ def test_unknown_fields_ignored_and_extra_keys_flagged() -> None:
     lora = stored_event(f, [3], None, TOKENS[:16], 16, lora_name="adapter")
     mm = stored_event(f, [4], None, TOKENS[:16], 16, extra_keys=[["img", 0]])
     batch = decode_batch(batch_payload([ev, salted, lora, mm]))
-    assert [e.keyed_extra for e in batch.events] == [False, True, True, True]  # type: ignore[union-attr]
+    # a LoRA block is keyed on its adapter's chain (test_agent_lora.py), not dropped
+    assert [e.keyed_extra for e in batch.events] == [False, True, False, True]  # type: ignore[union-attr]
+    assert batch.events[2].lora_name == "adapter"  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(

@@ -1029,3 +1029,51 @@ def test_data_parallel_ranks_render_per_rank_flags(helm: Any, tmp_path: Path) ->
     assert engine[engine.index("--tp-size") + 1] == "8"
     agent = containers["agent"]["args"]
     assert agent[agent.index("--dp-size") + 1] == "8"
+
+
+# -- LoRA adapters -----------------------------------------------------------------------------
+
+
+def test_lora_adapters_reach_the_engines_and_the_gateway(
+    helm: Any,
+    rendered: dict[str, list[dict[str, Any]]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    docs = rendered["vllm-values.yaml"]
+    cfg, _ = load_gateway_config(docs, tmp_path, monkeypatch)
+    assert cfg.pools[0].adapters == ["sql-lora", "support-lora"]
+    eargs = container(workers(docs)[0], "engine")["args"]
+    i = eargs.index("--lora-modules")
+    assert "--enable-lora" in eargs
+    assert eargs[i + 1 : i + 3] == [
+        "sql-lora=org/llama-3.1-70b-sql-lora",
+        "support-lora=/adapters/support",
+    ]
+    assert (
+        engine_flag(eargs, "--max-loras") == "2" and engine_flag(eargs, "--max-lora-rank") == "64"
+    )
+    for name in RENDERS:  # no adapters configured: no LoRA flags
+        if name != "vllm-values.yaml":
+            for d in workers(rendered[name]):
+                assert "--enable-lora" not in container(d, "engine")["args"]
+    sglang = {
+        "pools": [
+            {
+                "name": "ds",
+                "model": "deepseek-ai/DeepSeek-V3",
+                "lora": {"adapters": [{"name": "a", "path": "/lora/a"}], "maxLoras": 3},
+                "workers": {"engine": "sglang"},
+            }
+        ]
+    }
+    r = render_with(helm, tmp_path, sglang)
+    assert r.returncode == 0, r.stderr
+    sdocs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    sargs = container(workers(sdocs)[0], "engine")["args"]
+    assert engine_flag(sargs, "--lora-paths") == "a=/lora/a"
+    assert engine_flag(sargs, "--max-loras-per-batch") == "3"
+    bad = {
+        "pools": [{"name": "x", "model": "m", "lora": {"adapters": [{"name": "a=b", "path": "p"}]}}]
+    }
+    assert render_with(helm, tmp_path, bad).returncode != 0

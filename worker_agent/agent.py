@@ -30,6 +30,7 @@ from aiohttp import web
 from gateway.contract.bus import BusError, EventBus, wait_event
 from gateway.contract.wire import Cleared, EngineReport, WorkerInfo, key_digest
 from gateway.routing.keys import BlockKeyer
+from worker_agent.adapters import ServedAdapters
 from worker_agent.config import AgentConfig
 from worker_agent.engines import adapter_for
 from worker_agent.engines.base import (
@@ -102,6 +103,7 @@ class Agent:
         self.engine_block_size: int | None = config.engine.block_size
         self.bootstrap_port: int | None = None  # discovered (SGLang /server_info)
         self._capacity = _Capacity()
+        self.adapters = ServedAdapters(config.engine.url, config.model, config.adapters_interval)
         self._session: aiohttp.ClientSession | None = None
         self._stopping = False  # loops end at their next iteration
 
@@ -181,6 +183,7 @@ class Agent:
                 tasks.append(self._spawn(f"subscriber-{sub.source.rank}", sub.run))
             tasks.append(self._spawn("heartbeat", self._heartbeat_loop))
             tasks.append(self._spawn("load", self._report_loop))
+            tasks.append(self._spawn("adapters", self._adapters_loop))
             if cfg.metrics_port is not None:
                 runner = await self._serve_metrics()
             await self._wait_ready(stop)
@@ -322,7 +325,12 @@ class Agent:
             labels=dict(cfg.labels),
             epoch=self.epoch,
             started_at=self.epoch / 1e6,
+            adapters=self.adapters.names,
         )
+
+    async def _adapters_loop(self) -> None:
+        assert self._session is not None
+        await self.adapters.run(self._session, lambda: self._stopping)
 
     async def _heartbeat_loop(self) -> None:
         await wait_event(self.publisher.started, 2.0)

@@ -24,9 +24,13 @@ group seen whose kind can serve a whole prefix (``full_attention``, ``mla_attent
 models such as DeepSeek-V3/R1 and Kimi-K2 have only that group; hybrid models such as gpt-oss
 and Gemma 3 number their sliding-window groups first). Blocks are then keyed by (group, hash):
 a store or removal of another group never touches the indexed group's blocks. Events without
-a group (SGLang, older vLLM) are the one group. Other media (CPU, disk tiers), LoRA /
-multimodal / salted blocks and other groups are dropped and counted; docs/protocol.md says
-what a hit means when a sliding-window or Mamba group limits it.
+a group (SGLang, older vLLM) are the one group. Other media (CPU, disk tiers), multimodal /
+salted blocks and other groups are dropped and counted; docs/protocol.md says what a hit
+means when a sliding-window or Mamba group limits it.
+
+LoRA blocks (``lora_name``) are keyed on their adapter's chain: a root block continues from
+``BlockKeyer.adapter_root(name)`` instead of the base start state, so its keys can only
+match requests for that adapter; the chain is published with parent None like any root.
 """
 
 from __future__ import annotations
@@ -87,6 +91,9 @@ class RankCanonicaliser:
         self.blocks: dict[EngineHash, _Block] = {}
         self.count: dict[int, int] = {}  # held key -> engine blocks completing it
         self.dropped: Counter[str] = Counter()  # blocks not canonicalised, by reason
+        #: chain starts of the LoRA adapters seen: a chain continuing one is published as a
+        #: root (parent None), like the base model's
+        self.roots: set[int] = set()
         self.bad: Counter[str] = Counter()  # events rejected, by reason
 
     @property
@@ -155,7 +162,12 @@ class RankCanonicaliser:
             self.dropped[reason] += len(ev.hashes)
             return None
         if ev.parent is None:
-            return _Prepared(ev, None, (), [], ev.token_ids)
+            root = None
+            if ev.lora_name is not None:  # an adapter's blocks: the adapter's own chain
+                root = self.keyer.adapter_root(ev.lora_name)
+                assert root is not None
+                self.roots.add(root)
+            return _Prepared(ev, root, (), [], ev.token_ids)
         prec = self.blocks.get(ev.parent)
         if prec is None:
             self.dropped["unknown_parent"] += len(ev.hashes)
@@ -200,9 +212,10 @@ class RankCanonicaliser:
             fresh = self._record(
                 ev, p.tokens, len(p.tail), p.base, keys, keys[0] if broken else None
             )
+        base = None if p.base in self.roots else p.base
         if len(fresh) == len(keys):
-            return [(p.base, keys)] if keys else []
-        return _chains(p.base, keys, fresh)
+            return [(base, keys)] if keys else []
+        return _chains(base, keys, fresh)
 
     def _reject(
         self, medium: str | None, group: int | None, kind: str | None, keyed: bool

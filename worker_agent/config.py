@@ -55,6 +55,7 @@ class AgentConfig:
     heartbeat_interval: float = 1.0
     registration_ttl: float = 3.0
     report_interval: float = 0.25  # load reports (the gateway wants ≤ 0.5 s)
+    adapters_interval: float = 5.0  # polls of the engine's /v1/models (LoRA adapters served)
     metrics_port: int | None = None  # serve the agent's /metrics here
     metrics_host: str = "0.0.0.0"
     log_level: str = "INFO"
@@ -70,6 +71,8 @@ class AgentConfig:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(map(repr, ROLES))}, got {self.role!r}")
+            raise ValueError(
+                f"role must be one of {', '.join(map(repr, ROLES))}, got {self.role!r}"
+            )
         if self.registration_ttl <= self.heartbeat_interval:
             raise ValueError("registration_ttl must exceed heartbeat_interval")

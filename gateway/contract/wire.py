@@ -140,6 +140,9 @@ class WorkerInfo:
     epoch: int = 0
     started_at: float = 0.0
     version: int = PROTOCOL_VERSION
+    #: LoRA adapters the engine serves (requests may name them as ``model``), from its
+    #: ``/v1/models`` (cards whose ``parent`` is the base model)
+    adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,10 @@ class EngineReport:
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
     prefix_cache_hits: int = 0  # tokens found (cumulative)
     ts: float = 0.0
+    #: LoRA adapters loaded on the GPU now, if the engine says (vLLM: the running and
+    #: waiting adapters of ``vllm:lora_requests_info``); None: not reported
+    adapters: tuple[str, ...] | None = None
+    max_adapters: int | None = None  # adapters the engine keeps loaded at once (--max-loras)
 
 
 _json_enc = msgspec.json.Encoder()

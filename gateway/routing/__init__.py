@@ -14,6 +14,7 @@ redis or zmq (checked by import-linter in CI).
 | ``popularity`` | decayed request rates of prefixes (when a hot prefix deserves another holder) |
 | ``policy`` | the policy interface (``PoolView`` in, ``Decision`` with its explanation out) and registry |
 | ``policies/`` | one module per policy: ``ttft`` (default), ``round_robin``, ``random``, ``least_load``, ``session``, ``prefix`` |
+| ``adapters`` | LoRA adapters per worker: which serve an adapter, which have it loaded (LRU of the engine's slots) |
 | ``router`` | index lookup + load + policy → decision; speculative insert; in-flight bookkeeping |
 
 The wire types this core consumes (``EngineReport``) come from ``gateway.contract.wire``.

@@ -38,6 +38,9 @@ class CostParams:
     max_batched_tokens: int = 8192
     #: how much of a decode step a running batch adds to a prefill step (0: none, 1: full)
     decode_overlap: float = 1.0
+    #: loading a LoRA adapter onto a worker that does not have it (vLLM: from host memory
+    #: or disk into one of its --max-loras GPU slots), paid before the prefill
+    adapter_load_ms: float = 50.0
     #: bounds of the online calibration factor
     calibration_min: float = 0.25
     calibration_max: float = 4.0

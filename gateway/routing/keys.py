@@ -49,6 +49,8 @@ _U32 = np.uint64(32)
 _M64 = 2**64 - 1
 #: chains of at most this many blocks are keyed in plain Python (faster than numpy's fixed cost)
 _SMALL_BLOCKS = 3
+#: adapter start states remembered per keyer (a deployment serves a few dozen adapters)
+_MAX_ADAPTER_ROOTS = 4096
 
 
 #: Token ids: a sequence of ints, or a numpy integer array.
@@ -72,6 +74,8 @@ class BlockKeyer:
         if isinstance(seed, str):
             seed = seed.encode("utf-8")
         self.block_size = block_size
+        self._seed = seed
+        self._adapter_roots: dict[str, int] = {}
         stream = _secret_stream(seed, block_size, 8 * (2 * block_size + 4))
         words = np.frombuffer(stream, dtype="<u8")
         # r_k < 2**27 and tokens < 2**31 give products < 2**58; a block of up to 64 tokens sums
@@ -154,8 +158,11 @@ class BlockKeyer:
             pos += n
         return out
 
-    def extend(self, prev_keys: Sequence[int], tokens: Sequence[int]) -> list[int]:
-        """Keys of ``tokens`` given ``prev_keys`` = keys of a prefix of ``tokens``.
+    def extend(
+        self, prev_keys: Sequence[int], tokens: Sequence[int], root: int | None = None
+    ) -> list[int]:
+        """Keys of ``tokens`` given ``prev_keys`` = keys of a prefix of ``tokens`` (a chain
+        from ``root``: None, or an ``adapter_root``).
 
         Only blocks past ``len(prev_keys)`` are hashed: this is how a follow-up turn pays for
         its new tokens only. Returns the full key list (``prev_keys`` + new keys).
@@ -164,13 +171,36 @@ class BlockKeyer:
         start = done * self.block_size
         if start > len(tokens):
             raise ValueError("prev_keys cover more blocks than tokens has")
-        parent = prev_keys[-1] if done else None
+        parent = prev_keys[-1] if done else root
         tail = self.keys(tokens[start:], parent)
         return [*prev_keys, *tail] if tail else list(prev_keys)
 
     def root_state(self) -> int:
         """The implicit parent of a first block (for protocol documentation and tests)."""
         return (self._start[0] << 32) | self._start[1]
+
+    def adapter_root(self, adapter: str | None) -> int | None:
+        """The chain start of blocks computed with LoRA ``adapter`` (None: the base model).
+
+        An adapter's KV differs from the base model's for the same tokens, so its blocks
+        are keyed on a chain of their own: ``keys(tokens, parent=adapter_root(name))``. The
+        start state is derived from (seed, block size, name) like the base one, so base keys
+        are unchanged, and base, adapter and other adapters' chains are disjoint (up to a
+        64-bit collision). Published chains still start with parent None.
+        """
+        if adapter is None:
+            return None
+        root = self._adapter_roots.get(adapter)
+        if root is None:
+            words = np.frombuffer(
+                _secret_stream(self._seed, self.block_size, 16, b"lora\0" + adapter.encode()),
+                dtype="<u8",
+            )
+            k = [int(words[m]) % (_PRIMES[m] - 1) + 1 for m in range(2)]
+            root = k[0] << 32 | k[1]
+            if len(self._adapter_roots) < _MAX_ADAPTER_ROOTS:
+                self._adapter_roots[adapter] = root
+        return root
 
     # -- internals --------------------------------------------------------------------------
 
@@ -303,13 +333,14 @@ class BlockKeyer:
         self._pow, self._inv = pw, inv
 
 
-def _secret_stream(seed: bytes, block_size: int, nbytes: int) -> bytes:
-    """Deterministic pseudo-random bytes from the deployment seed (blake2b in counter mode)."""
+def _secret_stream(seed: bytes, block_size: int, nbytes: int, label: bytes = b"") -> bytes:
+    """Deterministic pseudo-random bytes from the deployment seed (blake2b in counter mode);
+    ``label`` names a separate stream (an adapter's start state), empty for the base one."""
     out = bytearray()
     counter = 0
     while len(out) < nbytes:
         h = hashlib.blake2b(
-            counter.to_bytes(8, "little") + block_size.to_bytes(8, "little"),
+            counter.to_bytes(8, "little") + block_size.to_bytes(8, "little") + label,
             key=hashlib.blake2b(seed, digest_size=32).digest(),
             person=b"kvroute-keys-v1",
             digest_size=64,
@@ -333,7 +364,10 @@ class PrefixKeys:
     def __init__(self, keyer: BlockKeyer, capacity_tokens: int) -> None:
         self.keyer = keyer
         self.capacity = max(0, capacity_tokens)
-        self._items: OrderedDict[int, tuple[tuple[int, ...], list[int]]] = OrderedDict()
+        # (id of the prefix, chain root) -> (prefix, its keys); an adapter's chain differs
+        self._items: OrderedDict[tuple[int, int | None], tuple[tuple[int, ...], list[int]]] = (
+            OrderedDict()
+        )
         self.tokens = 0
         self.hits = self.misses = 0
 
@@ -342,25 +376,29 @@ class PrefixKeys:
         ids: Sequence[int],
         reused: tuple[int, ...] = (),
         remembered: tuple[int, ...] | None = None,
+        root: int | None = None,
     ) -> list[int]:
         """Keys of ``ids``, which start with ``reused``; remember those of ``remembered`` (a
-        prefix of ``ids``) for the requests that will start with it."""
-        entry = self._items.get(id(reused)) if reused else None
+        prefix of ``ids``) for the requests that will start with it. ``root``: the chain's
+        start (``BlockKeyer.adapter_root``; None: the base model's)."""
+        slot = (id(reused), root)
+        entry = self._items.get(slot) if reused else None
         if entry is not None and entry[0] is reused:
-            self._items.move_to_end(id(reused))
+            self._items.move_to_end(slot)
             self.hits += 1
-            keys = self.keyer.extend(entry[1], ids)
+            keys = self.keyer.extend(entry[1], ids, root)
         else:
             self.misses += 1
-            keys = self.keyer.keys(ids)
+            keys = self.keyer.keys(ids, root)
         if remembered is not None and len(remembered) >= self.keyer.block_size:
-            self._put(remembered, keys[: len(remembered) // self.keyer.block_size])
+            self._put(remembered, keys[: len(remembered) // self.keyer.block_size], root)
         return keys
 
-    def _put(self, prefix: tuple[int, ...], keys: list[int]) -> None:
-        if len(prefix) > self.capacity or id(prefix) in self._items:
+    def _put(self, prefix: tuple[int, ...], keys: list[int], root: int | None) -> None:
+        slot = (id(prefix), root)
+        if len(prefix) > self.capacity or slot in self._items:
             return
-        self._items[id(prefix)] = (prefix, keys)
+        self._items[slot] = (prefix, keys)
         self.tokens += len(prefix)
         while self.tokens > self.capacity:
             _, (old, _) = self._items.popitem(last=False)

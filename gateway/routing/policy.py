@@ -42,6 +42,7 @@ class RouteRequest:
     block_size: int
     session_key: str | None = None
     engine_block_size: int = 1  # the engines reuse whole engine blocks only
+    adapter: str | None = None  # the LoRA adapter asked for (keys are on its chain)
 
     def matched_tokens(self, blocks: int) -> int:
         """Prompt tokens the engine will reuse from ``blocks`` matched canonical blocks:
@@ -96,6 +97,8 @@ class PoolView:
         self.levels = [(n, ws) for n, ws in self.levels if ws]
         self._matches: dict[str, int] | None = None
         self._workers: list[str] | None = None
+        #: eligible workers without the request's LoRA adapter loaded (they pay its load)
+        self.adapter_missing: frozenset[str] = frozenset()
 
     @classmethod
     def from_matches(

@@ -16,6 +16,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from gateway.routing.adapters import AdapterCatalog
 from gateway.routing.costmodel import CostModel
 from gateway.routing.index import ShadowIndex
 from gateway.routing.load import LoadTracker
@@ -54,8 +55,11 @@ class Router:
         cost: CostModel | None = None,
         rng: random.Random | None = None,
         speculate: bool = True,
+        adapters: AdapterCatalog | None = None,
     ) -> None:
         self.policy = policy
+        #: LoRA adapters each worker serves and has loaded
+        self.adapters = adapters if adapters is not None else AdapterCatalog()
         self.block_size = block_size
         self.index = index if index is not None else ShadowIndex()
         cost = cost or CostModel()
@@ -71,10 +75,12 @@ class Router:
 
     def add_worker(self, worker: str) -> None:
         self.loads.add_worker(worker)
+        self.adapters.add_worker(worker)
 
     def remove_worker(self, worker: str) -> None:
         """The worker left the pool: forget its load (the index owner forgets its blocks)."""
         self.loads.remove_worker(worker)
+        self.adapters.remove_worker(worker)
 
     def workers(self) -> list[str]:
         return self.loads.workers()
@@ -99,25 +105,35 @@ class Router:
         exclude: Iterable[str] = (),
         dry_run: bool = False,
         explain: bool = False,
+        adapter: str | None = None,
     ) -> Decision:
         """Choose a worker for a prompt of ``prompt_tokens`` tokens with block ``keys``.
 
         ``exclude``: workers not to use for this request (unhealthy, or already tried).
+        ``adapter``: the LoRA adapter asked for (``keys`` on its chain): only workers serving
+        it are candidates, and those without it loaded pay its load in the cost model.
         ``dry_run``: no speculative insert (stateful baselines such as round robin still
         advance). ``explain``: score every worker for the explanation (slower; for debugging).
         """
         index = self.index
         self.loads.refresh(now)
         levels = index.match_levels(keys) if self.policy.uses_index and keys else []
-        pool = PoolView(self.loads, levels, frozenset(exclude))
+        excluded = frozenset(exclude)
+        if adapter is not None:
+            excluded |= self.adapters.not_serving(adapter)
+        pool = PoolView(self.loads, levels, excluded)
         if not pool.workers:
             raise NoCandidates("no healthy worker")
+        if adapter is not None:
+            pool.adapter_missing = self.adapters.not_loaded(adapter, pool.workers)
         self.ctx.now = now
         request = RouteRequest(
-            keys, prompt_tokens, self.block_size, session_key, self.engine_block_size
+            keys, prompt_tokens, self.block_size, session_key, self.engine_block_size, adapter
         )
         decision = self.policy.choose(request, pool, self.ctx, explain)
         if not dry_run:
+            if adapter is not None:
+                self.adapters.routed(decision.worker, adapter)
             if pool.levels:  # the prefix this request shares with the cluster's caches
                 self.ctx.popularity.observe(keys[pool.levels[0][0] - 1], now)
             else:

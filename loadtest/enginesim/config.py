@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gateway.contract.settings import ConfigError, load_config
+from loadtest.enginesim.lora import LoraConfig
 
 __all__ = [
     "ENV_PREFIX",
@@ -23,6 +24,7 @@ __all__ = [
     "CacheConfig",
     "EventsConfig",
     "KvGroup",
+    "LoraConfig",
     "SchedulerConfig",
     "SimConfig",
     "TimingConfig",
@@ -229,8 +231,16 @@ class SimConfig:
     timing: TimingConfig = field(default_factory=TimingConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     pd: PdConfig = field(default_factory=PdConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
+        if self.lora.adapters and self.flavor == "sglang" and self.events.encoding == "array":
+            raise ConfigError(
+                "lora.adapters: SGLang publishes lora_name from 0.5.22 on (map encoding); "
+                "with events.encoding: array its LoRA blocks could not be told apart"
+            )
+        if self.model in self.lora.adapters:
+            raise ConfigError(f"lora.adapters: {self.model!r} is the base model's name")
         _positive(
             "sim",
             workers=self.workers,

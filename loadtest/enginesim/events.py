@@ -30,6 +30,12 @@ the emulation keeps what matters to a consumer: the same hash is removed from on
 kept in another, so a consumer keying blocks by hash alone, not by (group, hash), loses
 blocks.) Other kinds (``chunked_local_attention``, ...) are published like full attention.
 
+**LoRA adapters** (``BlocksStored.lora``). vLLM puts the adapter in every block's hash
+extra keys (0.33: ``("lora", name, path)``; the event publishes ``lora_id``, ``lora_name`` and
+each block's extra keys untagged, ``[name]``); SGLang (0.5.22+, map encoding) seeds the
+first page of an adapter's chain with the adapter (its ``extra_key``) and publishes
+``lora_name``. Either way an adapter's blocks never share a hash with the base model's.
+
 **SGLang bigram keys** (``WireFormat.bigram``; EAGLE/EAGLE3/NEXTN speculative decoding). The
 cache's atoms are then 8-byte bigrams ``t_j || t_j+1``; ``token_ids`` is published as a list
 of ``[t_j, t_j+1]`` pairs, ``block_size`` is the page size in pairs, and page hashes are
@@ -38,6 +44,7 @@ SGLang's SHA-256 chain over the pairs as uint32 LE words (the atom bytes themsel
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -201,6 +208,7 @@ class EventEncoder:
     def __init__(self, fmt: WireFormat) -> None:
         self.fmt = fmt
         self._digest: dict[int, bytes] = {}  # block id -> chain digest
+        self._lora_ids: dict[str, int] = {}  # adapter -> vLLM's lora_int_id (1, 2, ...)
         self._enc = msgspec.msgpack.Encoder()
         self._stored_t, self._removed_t, self._cleared_t = _EVENT_TYPES[(fmt.engine, fmt.encoding)]
         self._atom = BIGRAM_BYTES if fmt.bigram else TOKEN_BYTES
@@ -256,19 +264,27 @@ class EventEncoder:
                 "disagree (build it with WireFormat.for_sim)"
             )
         parent = None if ev.parent_block_id is None else self._digest[ev.parent_block_id]
+        lora = ev.lora
         if fmt.engine == "vllm":
             tokens = unpack_tokens(ev.tokens)
-            digests = vllm_block_hashes(parent, tokens, fmt.block_size)
+            hash_extra = None if lora is None else (("lora", lora, f"/adapters/{lora}"),)
+            digests = vllm_block_hashes(parent, tokens, fmt.block_size, hash_extra)
         else:
-            digests = sglang_page_hashes(parent, ev.tokens, fmt.block_size, self._atom)
+            seed = parent
+            if seed is None and lora is not None:  # the adapter seeds its chain
+                seed = hashlib.sha256(b"lora:" + lora.encode()).digest()
+            digests = sglang_page_hashes(seed, ev.tokens, fmt.block_size, self._atom)
         self._digest.update(zip(ev.block_ids, digests, strict=True))
         if fmt.engine == "vllm":
             pub = [vllm_event_hash(d, fmt.hash_bytes) for d in digests]
             par = None if parent is None else vllm_event_hash(parent, fmt.hash_bytes)
-            extra: list[Any] = [None] * len(pub)
+            extra: list[Any] = [None if lora is None else [lora]] * len(pub)
+            lora_id = (
+                None if lora is None else self._lora_ids.setdefault(lora, len(self._lora_ids) + 1)
+            )
             out = [
                 self._stored_t(
-                    pub, par, tokens, fmt.block_size, None, fmt.medium, None,
+                    pub, par, tokens, fmt.block_size, lora_id, fmt.medium, lora,
                     extra_keys=extra, group_idx=g, kv_cache_spec_kind=kind,
                     kv_cache_spec_sliding_window=window,
                 )
@@ -281,7 +297,8 @@ class EventEncoder:
         spar = None if parent is None else sglang_event_hash(parent)
         if fmt.encoding == "map":  # 0.5.23 coalesces a chain of pages into one event
             ids = self._token_ids(ev.tokens)
-            return [self._stored_t(spub, spar, ids, fmt.block_size, None, fmt.medium)]
+            named = {} if lora is None else {"lora_name": lora}
+            return [self._stored_t(spub, spar, ids, fmt.block_size, None, fmt.medium, **named)]
         out = []  # 0.5.15: one event per page
         step = self._atom * fmt.block_size
         for i, h in enumerate(spub):

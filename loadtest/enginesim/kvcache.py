@@ -19,6 +19,10 @@ are 8-byte atoms here (``bigram_atoms``: t_i then t_i+1, both uint32 LE). A bloc
 ``block_size`` atoms, one per KV slot, and the tree neither knows nor cares what an atom
 means; the caller converts tokens to atoms.
 
+LoRA adapters: blocks computed with an adapter hold other KV than the base model's for the
+same tokens, so each adapter has a tree of its own (a root per adapter, one block pool and
+one LRU for all); ``lora`` selects it, and stored events name it.
+
 Cache changes are recorded as neutral events (``BlocksStored`` / ``BlocksRemoved`` /
 ``AllBlocksCleared``) naming physical block ids; ``events.py`` turns them into an engine's
 wire format and hashes.
@@ -91,6 +95,7 @@ class BlocksStored:
     block_ids: list[int]
     parent_block_id: int | None
     tokens: bytes  # the blocks' key atoms: uint32 LE tokens (or bigrams), block_size per block
+    lora: str | None = None  # the LoRA adapter the blocks were computed with
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +150,20 @@ class BlockAllocator:
 
 
 class _Node:
-    __slots__ = ("blocks", "children", "key", "last_access", "parent", "ref", "stamp", "tokens")
+    __slots__ = (
+        "blocks", "children", "key", "last_access", "lora", "parent", "ref", "stamp", "tokens",
+    )  # fmt: skip
 
-    def __init__(self, parent: _Node | None, tokens: bytes, blocks: list[int], key: bytes) -> None:
+    def __init__(
+        self,
+        parent: _Node | None,
+        tokens: bytes,
+        blocks: list[int],
+        key: bytes,
+        lora: str | None = None,
+    ) -> None:
         self.parent = parent
+        self.lora: str | None = parent.lora if parent is not None else lora  # its tree
         self.tokens = tokens
         self.blocks = blocks
         self.key = key  # first block's token bytes: the key in the parent's children
@@ -204,6 +219,7 @@ class RadixCache:
         self.record_events = record_events
         self._bb = block_size * atom_bytes  # bytes per block
         self._root = _Node(None, b"", [], b"")
+        self._roots: dict[str | None, _Node] = {None: self._root}  # a tree per LoRA adapter
         self._heap: list[tuple[float, int, _Node]] = []
         self._stamp = 0
         self._nodes = 0
@@ -222,8 +238,11 @@ class RadixCache:
     def num_nodes(self) -> int:
         return self._nodes
 
-    def match(self, tokens: bytes, max_blocks: int | None = None) -> CacheMatch:
-        """Longest cached prefix of ``tokens`` in full blocks (at most ``max_blocks``).
+    def match(
+        self, tokens: bytes, max_blocks: int | None = None, lora: str | None = None
+    ) -> CacheMatch:
+        """Longest cached prefix of ``tokens`` in full blocks (at most ``max_blocks``),
+        computed with LoRA adapter ``lora`` (None: the base model).
 
         Pure: changes nothing, so a scheduler can check that a request fits first.
         """
@@ -231,7 +250,10 @@ class RadixCache:
         limit = len(tokens) // bb * bb
         if max_blocks is not None:
             limit = min(limit, max_blocks * bb)
-        node, pos, unpinned = self._root, 0, 0
+        node = self._roots.get(lora)
+        if node is None:
+            node = self._roots[lora] = _Node(None, b"", [], b"", lora)  # an empty tree
+        pos, unpinned = 0, 0
         while pos < limit:
             child = node.children.get(tokens[pos : pos + bb])
             if child is None:
@@ -250,7 +272,9 @@ class RadixCache:
 
     def nodes(self) -> Iterable[tuple[bytes, list[int], int]]:
         """Every node as (full prefix atom bytes, its blocks, ref count), for checks."""
-        stack: list[tuple[_Node, bytes]] = [(c, b"") for c in self._root.children.values()]
+        stack: list[tuple[_Node, bytes]] = [
+            (c, b"") for root in self._roots.values() for c in root.children.values()
+        ]
         while stack:
             node, prefix = stack.pop()
             full = prefix + node.tokens
@@ -343,13 +367,14 @@ class RadixCache:
         """Drop everything cached; refused (False) while any block is pinned."""
         if self.pinned_blocks:
             return False
-        stack = list(self._root.children.values())
+        stack = [c for root in self._roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
             self.allocator.free(node.blocks)
             node.parent = None
             stack.extend(node.children.values())
-        self._root.children.clear()
+        for root in self._roots.values():
+            root.children.clear()
         self._heap.clear()
         self._nodes = 0
         self.cached_blocks = 0
@@ -371,7 +396,7 @@ class RadixCache:
         self.cached_blocks += len(blocks)
         if self.record_events:
             parent_block = parent.blocks[-1] if parent.parent is not None else None
-            self.events.append(BlocksStored(list(blocks), parent_block, tokens))
+            self.events.append(BlocksStored(list(blocks), parent_block, tokens, leaf.lora))
 
     def _split(self, node: _Node, m: int) -> _Node:
         """Cut ``node`` after ``m`` blocks; the new upper part is returned.

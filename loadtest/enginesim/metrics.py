@@ -145,6 +145,8 @@ class _CoreCollector(Collector):
             "vllm:request_success", "Successfully processed requests.", st.finished,
             finished_reason="length",
         )  # fmt: skip
+        if core.adapters:  # vLLM exports this with LoRA enabled; the agent reads it
+            yield self._lora_info(core)
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig.",
@@ -155,6 +157,21 @@ class _CoreCollector(Collector):
             1.0,
         )
         yield info
+
+    @staticmethod
+    def _lora_info(core: EngineCore) -> GaugeMetricFamily:
+        """``vllm:lora_requests_info``: adapters of running and waiting requests in labels,
+        the value the time of the update (vLLM keeps a series per label set)."""
+        running, waiting = core.lora_requests()
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        info.add_metric(
+            [str(core.loras.max_loras), ",".join(waiting), ",".join(running)], time.time()
+        )
+        return info
 
     def _sglang(self, core: EngineCore) -> Iterator[Metric]:
         st = core.stats

@@ -51,6 +51,7 @@ from loadtest.enginesim.kvcache import (
     bigram_atoms,
     pack_tokens,
 )
+from loadtest.enginesim.lora import LoraConfig, LoraSlots
 from loadtest.enginesim.timing import TimingModel
 
 __all__ = [
@@ -99,6 +100,7 @@ class SimRequest:
     #: disaggregated decode: the prompt's KV came from a prefill engine, so only its last
     #: token is computed here (the transferred blocks enter this engine's cache as usual)
     remote: bool = False
+    lora: str | None = None  # the LoRA adapter asked for (its own cache tree and slot)
 
 
 @dataclass(slots=True)
@@ -132,6 +134,7 @@ class CoreStats:
     aborted: int = 0
     steps: int = 0
     busy_time: float = 0.0
+    lora_loads: int = 0  # LoRA adapters loaded into a GPU slot
 
 
 class EngineCore:
@@ -153,6 +156,7 @@ class EngineCore:
         evict_whole_nodes: bool = False,
         record_events: bool = True,
         output_tokens: Sequence[int] = (1,),
+        lora: LoraConfig | None = None,
     ) -> None:
         self.block_size = cache.block_size
         self.cache_outputs = cache.cache_outputs
@@ -183,6 +187,10 @@ class EngineCore:
         self._private_blocks = 0  # reserved by requests, not in the cache
         self._waiting_tokens = 0
         self._blocked = False  # the queue head did not fit; retry only after blocks free up
+        lora = lora or LoraConfig()
+        self.adapters = frozenset(lora.adapters)
+        self.loras = LoraSlots(lora.max_loras, lora.load_ms / 1000.0 / timing.speedup)
+        self._load_s = 0.0  # adapter loads the next step waits for
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -194,9 +202,13 @@ class EngineCore:
         *,
         tag: Any = None,
         remote: bool = False,
+        lora: str | None = None,
     ) -> SimRequest:
         """Queue a request that arrived at ``now`` (``remote``: its prompt's KV was prefilled
-        by another engine). Raises ValueError if it is malformed."""
+        by another engine; ``lora``: for that LoRA adapter, one of the configured ones).
+        Raises ValueError if it is malformed."""
+        if lora is not None and lora not in self.adapters:
+            raise ValueError(f"unknown LoRA adapter {lora!r}")
         data = pack_tokens(tokens)
         prompt_len = len(data) // TOKEN_BYTES
         if prompt_len < 1:
@@ -210,7 +222,9 @@ class EngineCore:
             )
         if not self.has_work():
             self._free_at = max(self._free_at, now)
-        req = SimRequest(self._next_rid, data, prompt_len, max_tokens, now, tag, remote=remote)
+        req = SimRequest(
+            self._next_rid, data, prompt_len, max_tokens, now, tag, remote=remote, lora=lora
+        )
         self._next_rid += 1
         self._waiting.append(req)
         self._waiting_tokens += prompt_len
@@ -262,7 +276,8 @@ class EngineCore:
             self._free_at = start
             return res
         prefill_tokens = sum(c for _, c in chunks)
-        dt = self.timing.step_seconds(prefill_tokens, n_dec, self.kv_usage)
+        dt = self.timing.step_seconds(prefill_tokens, n_dec, self.kv_usage) + self._load_s
+        self._load_s = 0.0
         k = 1
         if until is not None and not chunks:
             k = self._steps_to_next_finish()
@@ -336,6 +351,11 @@ class EngineCore:
         """Fraction of the pool held by running requests (vLLM's ``kv_cache_usage_perc``)."""
         return self.used_blocks / self.allocator.num_blocks
 
+    def lora_requests(self) -> tuple[list[str], list[str]]:
+        """(adapters of running requests, of waiting ones), sorted, as vLLM reports them."""
+        waiting = sorted({r.lora for r in self._waiting if r.lora is not None})
+        return sorted(self.loras.in_use), waiting
+
     def output_len(self, req: SimRequest) -> int:
         """Tokens ``req`` has generated so far."""
         if req.state == RequestState.DECODE:
@@ -350,13 +370,13 @@ class EngineCore:
             return pat * (end - start)
         return [pat[i % n] for i in range(start, end)]
 
-    def lookup(self, tokens: Sequence[int] | bytes) -> int:
+    def lookup(self, tokens: Sequence[int] | bytes, lora: str | None = None) -> int:
         """Prompt tokens a request with ``tokens`` would find cached now (no side effect)."""
         data = pack_tokens(tokens)
         n = len(data) // TOKEN_BYTES
         if self.bigram:
             data = bigram_atoms(data)
-        return self.cache.match(data, self._max_match(n)).blocks * self.block_size
+        return self.cache.match(data, self._max_match(n), lora).blocks * self.block_size
 
     # -- internals -------------------------------------------------------------------------
 
@@ -424,18 +444,25 @@ class EngineCore:
         """Cached prompt tokens of a waiting request (only needed without chunking)."""
         if self.sched.chunked_prefill:
             return 0
-        m = self.cache.match(self._key(req), self._max_match(req.prompt_len))
+        m = self.cache.match(self._key(req), self._max_match(req.prompt_len), req.lora)
         return m.blocks * self.block_size
 
     def _admit(self, req: SimRequest, now: float) -> bool:
         """Match, pin and reserve blocks for ``req``; False if the pool cannot hold it yet."""
         bs = self.block_size
-        m = self.cache.match(self._key(req), self._max_match(req.prompt_len))
+        if req.lora is not None and not self.loras.can_acquire(req.lora):
+            return False  # every slot's adapter is in use: wait for one to finish
+        m = self.cache.match(self._key(req), self._max_match(req.prompt_len), req.lora)
         need = self._blocks_for(req.prompt_len + req.max_tokens - 1) - m.blocks
         free = self.allocator.num_free
         if need > free and need > free + self.cache.evictable_blocks - m.unpinned:
             self._blocked = True
             return False
+        if req.lora is not None:
+            load = self.loras.acquire(req.lora)
+            if load:
+                self._load_s += load
+                self.stats.lora_loads += 1
         req._node = self.cache.acquire(m, now)
         if need > self.allocator.num_free:
             self.cache.evict(need - self.allocator.num_free)
@@ -518,6 +545,8 @@ class EngineCore:
 
     def _release(self, req: SimRequest, now: float) -> None:
         self._blocked = False
+        if req.lora is not None:
+            self.loras.release(req.lora)
         self.cache.release(req._node, now)
         self.allocator.free(req._blocks)
         self._private_blocks -= len(req._blocks)

@@ -151,7 +151,7 @@ class _Handlers:
         self.w = worker
         self.cfg = worker.config
         self.codec = worker.codec
-        self.served = {self.cfg.model}
+        self.served = {self.cfg.model, *self.cfg.lora.adapters}
         self.owner = self.cfg.flavor
 
     # -- generation ------------------------------------------------------------------------
@@ -183,6 +183,11 @@ class _Handlers:
         ids = pack_tokens(await self._chat_ids(g))
         shape = MessagesShape(self.cfg.model, self.codec.output_text)
         return await self._generate(request, g, ids, shape, body)
+
+    def _lora(self, body: dict[str, Any]) -> str | None:
+        """The LoRA adapter a request's ``model`` names (already checked to be served)."""
+        model = body.get("model")
+        return model if model in self.cfg.lora.adapters else None
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request)
@@ -230,7 +235,10 @@ class _Handlers:
             raise ApiError(503, "The engine is not running")
         key, params, remote = await self._disaggregation(g, ids, body, rank)
         try:
-            gen = self.w.submit(ids, g.max_tokens, stream=g.stream, rank=rank, remote=remote)
+            gen = self.w.submit(
+                ids, g.max_tokens, stream=g.stream, rank=rank, remote=remote,
+                lora=self._lora(body),
+            )  # fmt: skip
         except RequestTooLarge as exc:
             raise ApiError(400, str(exc), "max_tokens") from None
         except UnknownRank as exc:
@@ -344,7 +352,12 @@ class _Handlers:
             "max_model_len": self.cfg.scheduler.max_model_len,
             "permission": [],
         }
-        return _json({"object": "list", "data": [card]})
+        # LoRA adapters as vLLM lists them: root = the adapter's path, parent = the base
+        loras = [
+            {**card, "id": name, "root": f"/adapters/{name}", "parent": self.cfg.model}
+            for name in self.cfg.lora.adapters
+        ]
+        return _json({"object": "list", "data": [card, *loras]})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)

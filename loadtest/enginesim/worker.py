@@ -411,14 +411,16 @@ class SimWorker:
         stream: bool,
         rank: int | None = None,
         remote: bool = False,
+        lora: str | None = None,
     ) -> Generation:
         """Queue a request on rank ``rank``, or on the least loaded rank as the engine's own
-        balancer would (raises ValueError/RequestTooLarge on malformed input, UnknownRank)."""
+        balancer would, for LoRA adapter ``lora`` if given (raises ValueError/
+        RequestTooLarge on malformed input, UnknownRank)."""
         if not self.alive:
             raise RuntimeError("worker is not running")
         target = self._rank_for(rank)
         loop = asyncio.get_running_loop()
-        req = target.core.add_request(prompt, max_tokens, loop.time(), remote=remote)
+        req = target.core.add_request(prompt, max_tokens, loop.time(), remote=remote, lora=lora)
         gen = Generation(req, target)
         req.tag = gen
         target.active[req.rid] = gen
@@ -464,6 +466,7 @@ class SimWorker:
             evict_whole_nodes=cfg.evict_whole_nodes,
             record_events=cfg.events.enabled,
             output_tokens=self.codec.output_ids,
+            lora=cfg.lora,
         )
 
     def _timing(self) -> TimingModel:

@@ -90,7 +90,8 @@ class BlockStored:
     medium: str | None = None
     group_idx: int | None = None
     spec_kind: str | None = None
-    keyed_extra: bool = False  # LoRA, multimodal, cache salt: not a pure token prefix
+    keyed_extra: bool = False  # multimodal, cache salt, unnamed LoRA: not a token prefix
+    lora_name: str | None = None  # the LoRA adapter the blocks were computed with
 
 
 @dataclass(slots=True)
@@ -195,12 +196,12 @@ def _stored(f: dict[Any, Any], limits: DecodeLimits) -> BlockStored:
         raise BadEvent("wrong_type")
     if aligned and len(tokens) != len(hashes) * bs:
         raise BadEvent("token_count")
+    lora = _opt_str(f, "lora_name")
     extra = f.get("extra_keys")
     keyed = (
-        f.get("lora_id") is not None
-        or f.get("lora_name") is not None
+        (f.get("lora_id") is not None and lora is None)  # an adapter we cannot name
         or f.get("cache_salt") is not None
-        or (isinstance(extra, list) and any(x is not None for x in extra))
+        or (isinstance(extra, list) and not all(_lora_only(x, lora) for x in extra))
     )
     return BlockStored(
         hashes,
@@ -211,7 +212,20 @@ def _stored(f: dict[Any, Any], limits: DecodeLimits) -> BlockStored:
         _opt_int(f, "group_idx"),
         kind,
         keyed,
+        lora,
     )
+
+
+def _lora_only(extra: Any, lora: str | None) -> bool:
+    """Whether one block's ``extra_keys`` entry holds nothing but the LoRA name (vLLM puts
+    the adapter in every block's extra keys: ``[name]``, or the name alone)."""
+    if extra is None:
+        return True
+    if lora is None:
+        return False
+    if isinstance(extra, list):
+        return all(x == lora for x in extra)
+    return bool(extra == lora)
 
 
 def _bigram_firsts(pairs: list[Any]) -> list[int]:

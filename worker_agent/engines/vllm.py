@@ -26,6 +26,7 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
 CACHE_INFO = "vllm:cache_config_info"  # labels carry num_gpu_blocks and block_size
+LORA_INFO = "vllm:lora_requests_info"  # labels carry running/waiting adapters, max_lora
 
 
 class VllmAdapter(EngineAdapter):
@@ -38,7 +39,7 @@ class VllmAdapter(EngineAdapter):
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        return (RUNNING, WAITING, KV_USAGE, QUERIES, HITS, CACHE_INFO)
+        return (RUNNING, WAITING, KV_USAGE, QUERIES, HITS, CACHE_INFO, LORA_INFO)
 
     def discover(self, info: Any, engine_url: str) -> Discovery:
         """Accepts a list of per-rank configs, ``{"sources": [...]}``, a map keyed by rank,
@@ -78,6 +79,7 @@ class VllmAdapter(EngineAdapter):
         return Discovery(sources, block if isinstance(block, int) else None)
 
     def report(self, samples: Samples, ts: float) -> EngineReport:
+        adapters, slots = loaded_adapters(samples)
         return EngineReport(
             running=int(total(samples, RUNNING) or 0),
             waiting=int(total(samples, WAITING) or 0),
@@ -86,6 +88,8 @@ class VllmAdapter(EngineAdapter):
             prefix_cache_queries=int(total(samples, QUERIES) or 0),
             prefix_cache_hits=int(total(samples, HITS) or 0),
             ts=ts,
+            adapters=adapters,
+            max_adapters=slots,
         )
 
     def block_size(self, samples: Samples) -> int | None:
@@ -124,3 +128,21 @@ def _rank(cfg: dict[str, Any], default: int) -> int:
         if isinstance(cfg.get(key), int):
             return int(cfg[key])
     return default
+
+
+def loaded_adapters(samples: Samples) -> tuple[tuple[str, ...] | None, int | None]:
+    """(LoRA adapters loaded now, GPU slots) from ``vllm:lora_requests_info`` (None: absent).
+
+    Its labels name the adapters of the running and waiting requests and ``max_lora``;
+    vLLM keeps a series per label set, set to the time of the update, so the newest (the
+    largest value) is the present.
+    """
+    series = samples.get(LORA_INFO)
+    if not series:
+        return None, None
+    labels, _ = max(series, key=lambda s: s[1])
+    names: set[str] = set()
+    for key in ("running_lora_adapters", "waiting_lora_adapters"):
+        names.update(n for n in (label(labels, key) or "").split(",") if n)
+    slots = label(labels, "max_lora")
+    return tuple(sorted(names)), int(slots) if slots and slots.isdigit() else None

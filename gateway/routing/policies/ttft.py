@@ -33,6 +33,12 @@ per-request cost alone never pays (at a steady high rate, waiting for 8 requests
 conversation's own prefix (a tiny share) never replicates; one system prompt on every
 request ends up on every worker.
 
+LoRA adapters: a request for an adapter is keyed on the adapter's chain (its matches are
+blocks computed with that adapter only), and a worker without the adapter loaded adds
+``CostParams.adapter_load_ms`` to its predicted TTFT, so among equal caches and loads the
+worker that has the adapter wins, and a loaded but saturated one still loses to an idle
+worker that pays the load.
+
 Cost: workers with the same match length and load are interchangeable, so idle ones are
 scored once per match length, and busy ones are visited by increasing lower bound
 (``CostModel.queue_key``) until the bound shows no later one can win; at most
@@ -124,10 +130,24 @@ class PredictedTTFT(Policy):
             floors[m] = cw * cost.prefill_ms(new) * scale
             bases[m] = cost.chunked_prefill_ms(new) * scale + floors[m]
 
+        # A LoRA request costs an adapter load where the adapter is not loaded: an idle
+        # worker without it is worse than one with it at the same match, so a level keeps
+        # only its idle workers with the adapter when it has any.
+        missing = pool.adapter_missing
+        pen = cost.params.adapter_load_ms * scale if missing else 0.0
+        idle_pen: dict[int, float] = {}
+        if missing:
+            for m, ws in idle_at.items():
+                have = [w for w in ws if w not in missing]
+                if have:
+                    idle_at[m] = have
+                else:
+                    idle_pen[m] = pen
+
         best = float("inf")
         idle_score: dict[int, tuple[float, float]] = {}
         for m in idle_at:
-            t = cost.ttft_ms(0.0, prompt - m, 0.0, 0.0)
+            t = cost.ttft_ms(0.0, prompt - m, 0.0, 0.0) + idle_pen.get(m, 0.0)
             idle_score[m] = (t + floors[m], t)
             best = min(best, t + floors[m])
 
@@ -162,6 +182,8 @@ class PredictedTTFT(Policy):
                 continue
             v = view(w)
             t = cost.ttft_after(own[m], v.queued_prefill_tokens, v.running, v.kv_usage)
+            if missing and w in missing:
+                t += pen
             s = t + floors[m]
             scored.append((s, w, m, t))
             if s < best:
@@ -191,7 +213,8 @@ class PredictedTTFT(Policy):
         else:
             ttft = next(e[3] for e in scored if e[1] == pick)
         best_match = mt(pool.levels[0][0]) if pool.levels else 0
-        replica = self._replica(request, pool, ctx, pick) if self.replication else None
+        replicate = self.replication and request.adapter is None  # adapters: not modelled
+        replica = self._replica(request, pool, ctx, pick) if replicate else None
         if replica is not None:
             pick, matched = replica, level_of.get(replica, 0)
             v = pool.view(replica)
