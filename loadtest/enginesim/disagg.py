@@ -46,6 +46,8 @@ class Transfers:
 
     def __init__(self) -> None:
         self._ready: OrderedDict[str, asyncio.Future[int]] = OrderedDict()
+        self.drop_next = 0  # fault: lose the KV of this many finished prefills
+        self.dropped = 0
 
     def _entry(self, key: str) -> asyncio.Future[int]:
         fut = self._ready.get(key)
@@ -59,7 +61,13 @@ class Transfers:
         return fut
 
     def done(self, key: str, tokens: int) -> None:
-        """The prefill of ``key`` finished: ``tokens`` prompt tokens of KV are ready."""
+        """The prefill of ``key`` finished: ``tokens`` prompt tokens of KV are ready (unless
+        the ``drop_next`` fault loses them, as an engine dying right after answering)."""
+        if self.drop_next > 0:
+            self.drop_next -= 1
+            self.dropped += 1
+            self.failed(key)
+            return
         fut = self._entry(key)
         if not fut.done():
             fut.set_result(tokens)

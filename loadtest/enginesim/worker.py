@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 FAULT_ACTIONS = (
     "kill", "restart", "restart_rank", "pause", "resume", "slow", "drop_events", "refuse",
-    "accept", "garbage",
+    "accept", "garbage", "drop_transfers",
 )  # fmt: skip
 #: what the ``garbage`` fault can put on the event socket (R5: counted and skipped)
 #: attempts at finding consecutive free ports for an SGLang worker's rank publishers
@@ -344,6 +344,10 @@ class SimWorker:
             await self.kill(spare)
         elif action == "restart":
             await self.restart(spare)
+        elif action == "drop_transfers":
+            if self.config.pd.role != "prefill":
+                raise FaultError("drop_transfers needs a prefill worker (pd.role: prefill)")
+            self.transfers.drop_next = _number(params, "count", int)
         elif action == "restart_rank":
             await self.restart_rank(_number(params, "rank", int))
         elif action == "pause":
@@ -387,6 +391,10 @@ class SimWorker:
             "free_blocks": core.allocator.num_free,
             "stats": vars(core.stats),
             "dp_size": len(self.ranks),
+            "pd": {
+                "role": self.config.pd.role,
+                "transfers_dropped": self.transfers.dropped,
+            },
             "ranks": [
                 {
                     "rank": r.index,
