@@ -93,7 +93,13 @@ class PeerSpec:
     #: takes token-id prompts (``/v1/completions`` with a list of ids); smg's and
     #: sglang-router's OpenAI routes take text only
     token_ids: bool = False
+    #: prefill/decode disaggregation: ``policy`` picks the prefill worker, this the decode one
+    pd_decode_policy: str | None = None
     note: str = ""
+
+    @property
+    def pd(self) -> bool:
+        return self.pd_decode_policy is not None
 
     @property
     def historical(self) -> bool:
@@ -147,6 +153,41 @@ PEERS: dict[str, PeerSpec] = {
             token_ids=True,
             note="load-blind baseline",
         ),
+        # prefill/decode disaggregation (``Pool.roles``): smg speaks SGLang's protocol
+        # (bootstrap host/port/room), vllm-router vLLM's NIXL connector protocol
+        PeerSpec(
+            "smg-pd-cache_aware",
+            "smg",
+            "cache_aware",
+            tokenizer=True,
+            pd_decode_policy="power_of_two",
+            note="smg --pd-disaggregation: prefill by cache_aware, decode by power_of_two",
+        ),  # fmt: skip
+        PeerSpec(
+            "smg-pd-round_robin",
+            "smg",
+            "round_robin",
+            pd_decode_policy="round_robin",
+            note="load-blind baseline (disaggregated)",
+        ),  # fmt: skip
+        PeerSpec(
+            "vllm-router-pd-kv_aware",
+            "vllm-router",
+            "kv_aware",
+            kv_events=True,
+            token_ids=True,
+            pd_decode_policy="power_of_two",
+            note="vllm-router --vllm-pd-disaggregation --kv-connector nixl: prefill by "
+            "kv_aware (KV events), decode by power_of_two",
+        ),  # fmt: skip
+        PeerSpec(
+            "vllm-router-pd-round_robin",
+            "vllm-router",
+            "round_robin",
+            token_ids=True,
+            pd_decode_policy="round_robin",
+            note="load-blind baseline (disaggregated)",
+        ),  # fmt: skip
         PeerSpec(
             "sglang-router-cache_aware-historical",
             "sglang-router",
@@ -195,6 +236,25 @@ class Pool:
     block_size: int  # the engines' KV block size
     #: per worker: (KV events endpoint, replay endpoint), e.g. "tcp://127.0.0.1:5557"
     event_sources: list[tuple[str, str | None]] = field(default_factory=list)
+    #: per worker under prefill/decode disaggregation: "prefill" or "decode" (empty: none)
+    roles: list[str] = field(default_factory=list)
+
+    def with_role(self, role: str) -> list[str]:
+        return [u for u, r in zip(self.worker_urls, self.roles, strict=True) if r == role]
+
+
+def _pd_args(flag: str, pool: Pool, spec: PeerSpec, bootstrap: bool) -> list[str]:
+    """``<flag> --prefill URL [PORT] ... --decode URL ...`` and the two policies. A
+    simulated prefill worker's bootstrap port is its HTTP port (loadtest.enginesim.disagg)."""
+    args = [flag]
+    for url in pool.with_role("prefill"):
+        args += ["--prefill", url]
+        if bootstrap:
+            args.append(url.rsplit(":", 1)[1])
+    for url in pool.with_role("decode"):
+        args += ["--decode", url]
+    assert spec.pd_decode_policy is not None
+    return [*args, "--prefill-policy", spec.policy, "--decode-policy", spec.pd_decode_policy]
 
 
 class Peer:
@@ -311,11 +371,16 @@ class SmgPeer(Peer):
 
     def command(self) -> list[str]:
         s, p = self.spec, self.pool
+        workers = (
+            _pd_args("--pd-disaggregation", p, s, bootstrap=True)
+            if s.pd
+            else ["--policy", s.policy, "--worker-urls", *p.worker_urls]
+        )
         args = [
             sys.executable, "-m", "smg", "launch",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
-            "--policy", s.policy, "--worker-urls", *p.worker_urls,
+            *workers,
             "--shutdown-grace-period-secs", "2", "--worker-startup-check-interval", "1",
             "--log-level", "warn",
         ]  # fmt: skip
@@ -346,11 +411,16 @@ class VllmRouterPeer(Peer):
 
     def command(self) -> list[str]:
         s, p = self.spec, self.pool
+        workers = (
+            [*_pd_args("--vllm-pd-disaggregation", p, s, bootstrap=False), "--kv-connector", "nixl"]
+            if s.pd
+            else ["--policy", s.policy, "--worker-urls", *p.worker_urls]
+        )
         args = [
             _binary("vllm-router", "vllm_router.launch_router"),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
-            "--policy", s.policy, "--worker-urls", *p.worker_urls,
+            *workers,
             "--worker-startup-check-interval", "1", "--log-level", "warning",
         ]  # fmt: skip
         if s.kv_events:
@@ -437,6 +507,7 @@ def pool_from_stack(stack: Stack) -> Pool:
         stack.tokenizer_path(),
         stack.config.block_size,
         sources if all(e for e, _ in sources) else [],
+        [stack.role(i) for i in range(len(stack.worker_urls))],
     )
 
 
