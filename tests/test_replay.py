@@ -32,7 +32,22 @@ from loadtest.clustersim import simulate as run_sim
 from loadtest.replay import LogFormatError, block_tokens, read_log, simulated_decisions
 from loadtest.stack import Stack, StackConfig, wait_for
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi".split()
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+]
 
 
 def write_log(path: Path, rows: list[tuple[list[int], int, str]], pool: str = "m") -> None:
