@@ -459,18 +459,21 @@ class Proxy:
         """The request log's hook: the decision that served the request and its usage."""
         assert self.request_log is not None
         ex = set(exclude)
-        self.request_log.record(
-            pool.name,
-            pool.router.block_size,
-            prep.keys,
-            prep.prompt_tokens,
-            decision,
-            [w for w in pool.router.workers() if w not in ex],
-            self.clock() - decided_at,
-            request.get(USAGE),
-            response.status,
-            session_key,
-        )
+        try:
+            self.request_log.record(
+                pool.name,
+                pool.router.block_size,
+                prep.keys,
+                prep.prompt_tokens,
+                decision,
+                [w for w in pool.router.workers() if w not in ex],
+                self.clock() - decided_at,
+                request.get(USAGE),
+                response.status,
+                session_key,
+            )
+        except Exception:  # the log must never fail a request that was served
+            log.exception("request log: record failed")
 
     def _count_usage(
         self, pool: Pool, wid: str, obj: Any, request: web.Request | None = None
