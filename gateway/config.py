@@ -13,7 +13,7 @@ from typing import Any
 from gateway.contract.settings import ConfigError
 from gateway.routing.costmodel import CostParams
 
-__all__ = ["GatewayConfig", "PoolSettings"]
+__all__ = ["GatewayConfig", "PoolSettings", "RequestLogSettings"]
 
 
 # -- the gateway's configuration schema --------------------------------------------------------
@@ -75,6 +75,10 @@ class PoolSettings:
     #: ``--lora-modules``); a request names one as its ``model``. Workers also register the
     #: adapters their engine lists in ``/v1/models``.
     adapters: list[str] = field(default_factory=list)
+    #: seeds the pool's routing random source (cold picks, ties): reproducible decisions for
+    #: tests and replays (``kvroute simulate --from-log --seed``); None: seeded by the OS.
+    #: Leave it unset with several replicas, which would otherwise break ties alike
+    seed: int | None = None
 
 
 @dataclass
@@ -154,6 +158,29 @@ class LogSettings:
 
 
 @dataclass
+class RequestLogSettings:
+    """The request log ``kvroute simulate --from-log`` replays (``gateway/request_log.py``).
+
+    One JSON line per routed request: block keys re-hashed with ``salt``, lengths, the
+    decision and the candidate workers; never text or token ids.
+    """
+
+    #: file to append to; empty: no request log. With ``server.workers`` N, process i
+    #: writes ``<path>.<i>`` (one writer per file; the replay merges them by time)
+    path: str = ""
+    #: rotate when the file reaches this size (0: never); ``<path>.1`` .. ``.<backups>`` kept
+    max_bytes: int = 256 * 1024 * 1024
+    backups: int = 3
+    #: fraction of requests logged (1.0: all; a replay of a sample under-states the load)
+    sample: float = 1.0
+    #: records waiting for the writer beyond which new ones are dropped (and counted)
+    queue_size: int = 10_000
+    #: secret of the keyed hash applied to block keys and session keys before they are
+    #: written; empty: derived from ``index.hash_seed`` (see docs/architecture.md)
+    salt: str = ""
+
+
+@dataclass
 class GatewayConfig:
     pools: list[PoolSettings] = field(default_factory=list)
     server: ServerSettings = field(default_factory=ServerSettings)
@@ -165,6 +192,7 @@ class GatewayConfig:
     auth: AuthSettings = field(default_factory=AuthSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)
     log: LogSettings = field(default_factory=LogSettings)
+    request_log: RequestLogSettings = field(default_factory=RequestLogSettings)
     #: headers carrying a session id, first present wins (the ``session`` policy's key)
     session_headers: list[str] = field(
         default_factory=lambda: ["x-session-affinity", "x-session-id"]
@@ -194,3 +222,8 @@ class GatewayConfig:
             raise ConfigError("redis.url is empty and no pool has static_workers: no workers")
         if self.server.workers < 1:
             raise ConfigError("server.workers: must be >= 1")
+        rl = self.request_log
+        if not 0.0 <= rl.sample <= 1.0:
+            raise ConfigError("request_log.sample: must be between 0 and 1")
+        if rl.queue_size < 1 or rl.max_bytes < 0 or rl.backups < 0:
+            raise ConfigError("request_log: queue_size >= 1, max_bytes and backups >= 0")

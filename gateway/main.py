@@ -66,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
+        _request_log_path(cfg, args.worker_index)
     except ConfigError as exc:
         print(f"kvroute gateway: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -79,6 +80,26 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _request_log_path(cfg: GatewayConfig, worker_index: int | None) -> None:
+    """One request log file per process (``<path>.<i>``), checked writable before serving."""
+    rl = cfg.request_log
+    if not rl.path:
+        return
+    from gateway.request_log import RequestLogError, process_path
+
+    if worker_index is not None:
+        rl.path = process_path(rl.path, worker_index)
+    # the supervisor of N processes checks the first process's file
+    first = process_path(rl.path, 0) if cfg.server.workers > 1 and worker_index is None else rl.path
+    try:
+        with open(first, "ab"):
+            pass
+    except OSError as exc:
+        raise RequestLogError(
+            f"request_log.path: cannot append to {first}: {exc.strerror or exc}"
+        ) from None
 
 
 def _run_loop(main: Any) -> None:

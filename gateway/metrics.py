@@ -210,6 +210,17 @@ class GatewayMetrics:
             multiprocess_mode="max",
             registry=r,
         )
+        self.request_log_records = Counter(
+            "kvroute_request_log_records",
+            "Records written to the request log (request_log.path)",
+            registry=r,
+        )
+        self.request_log_dropped = Counter(
+            "kvroute_request_log_dropped",
+            "Request log records dropped, by cause (queue_full, write_error)",
+            ["cause"],
+            registry=r,
+        )
 
     def names(self) -> set[str]:
         """Every exported metric name (as Prometheus sees it, with _total, _bucket...)."""

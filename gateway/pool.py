@@ -61,6 +61,8 @@ class Pool:
         # keys of the chat prefixes the tokenizer remembers, held for as many tokens
         self.prefix_keys = PrefixKeys(self.keyer, settings.tokenizer_cache_tokens)
         policy = make_policy(settings.policy, **settings.policy_params)
+        if rng is None and settings.seed is not None:
+            rng = random.Random(settings.seed)
         self.router = Router(
             policy,
             settings.block_size,

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +37,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pinning import pin_rank
 from gateway.pool import Pool, Prepared
 from gateway.registry import Registry
+from gateway.request_log import RequestLog
 from gateway.requests import ClientRequest
 from gateway.routing.policy import Decision
 from gateway.routing.router import NoCandidates
@@ -65,6 +66,9 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+
+
+USAGE = web.RequestKey("usage", Usage)  # the response's usage, once read
 
 
 def parse_usage(obj: Any) -> Usage | None:
@@ -165,6 +169,8 @@ class Proxy:
         self.metrics = metrics
         self.clock = clock
         self._session: aiohttp.ClientSession | None = None
+        #: set by the gateway when ``request_log.path`` is configured
+        self.request_log: RequestLog | None = None
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -228,20 +234,21 @@ class Proxy:
                 if pool.disaggregated:
                     decode = pool.decode_router.route(
                         prep.keys, prep.prompt_tokens, now, session_key=session_key,
-                        exclude=exclude,
+                        exclude=exclude, adapter=prep.adapter,
                     )  # fmt: skip
             except NoCandidates:
                 break
             self.metrics.decision.labels(pool.name).observe(time.perf_counter() - t0)
             try:
                 if decode is not None:
-                    return await self._attempt_pair(
+                    response = await self._attempt_pair(
                         request, creq, pool, prep, path, body, headers, decision, decode,
                         inject_usage,
                     )  # fmt: skip
-                return await self._attempt(
-                    request, creq, pool, prep, path, body, headers, decision, inject_usage
-                )
+                else:
+                    response = await self._attempt(
+                        request, creq, pool, prep, path, body, headers, decision, inject_usage
+                    )
             except _Answered as exc:
                 return exc.response
             except _Retry as exc:
@@ -250,6 +257,12 @@ class Proxy:
                 tried.add(failed)
                 self.metrics.retries.labels(pool.name, failed, exc.cause).inc()
                 log.info("retrying request away from %s: %s", failed, exc)
+                continue
+            if self.request_log is not None:
+                self._log_request(
+                    request, pool, prep, decision, exclude, session_key, now, response
+                )
+            return response
         if last is not None:
             raise ApiError(
                 502,
@@ -336,7 +349,7 @@ class Proxy:
                         request, resp, out, first, pool, wid, inject_usage, APIS[creq.kind].errors
                     )
                 data = first + await self._rest(resp, wid)
-                self._count_usage(pool, wid, _json(data))
+                self._count_usage(pool, wid, _json(data), request)
                 self.registry.on_success(wid)
                 return web.Response(status=resp.status, headers=headers, body=data)
         finally:
@@ -605,7 +618,7 @@ class Proxy:
                 break
             data = events.feed(chunk)
             if events.final:  # nothing may follow: the last events leave with the end of the body
-                self._count_usage(pool, wid, events.usage)
+                self._count_usage(pool, wid, events.usage, request)
                 self.registry.on_success(wid)
                 await out.write_eof(data + events.flush())
                 return out
@@ -619,15 +632,49 @@ class Proxy:
             self.metrics.stream_errors.labels(pool.name, wid).inc()
             await _end_with_error(out, f"worker {wid} closed the stream early", shape)
             return out
-        self._count_usage(pool, wid, events.usage)
+        self._count_usage(pool, wid, events.usage, request)
         self.registry.on_success(wid)
         await out.write_eof()
         return out
 
-    def _count_usage(self, pool: Pool, wid: str, obj: Any) -> None:
+    def _log_request(
+        self,
+        request: web.Request,
+        pool: Pool,
+        prep: Prepared,
+        decision: Decision,
+        exclude: Iterable[str],
+        session_key: str | None,
+        decided_at: float,
+        response: web.StreamResponse,
+    ) -> None:
+        """The request log's hook: the decision that served the request and its usage."""
+        assert self.request_log is not None
+        ex = set(exclude)
+        try:
+            self.request_log.record(
+                pool.name,
+                pool.router.block_size,
+                prep.keys,
+                prep.prompt_tokens,
+                decision,
+                [w for w in pool.router.workers() if w not in ex],
+                self.clock() - decided_at,
+                request.get(USAGE),
+                response.status,
+                session_key,
+            )
+        except Exception:  # the log must never fail a request that was served
+            log.exception("request log: record failed")
+
+    def _count_usage(
+        self, pool: Pool, wid: str, obj: Any, request: web.Request | None = None
+    ) -> None:
         u = parse_usage(obj)
         if u is None:
             return
+        if request is not None:
+            request[USAGE] = u  # for the request log
         m = self.metrics
         m.delivered_prompt.labels(pool.name, wid).inc(u.prompt_tokens)
         m.delivered_cached.labels(pool.name, wid).inc(u.cached_tokens)

@@ -44,6 +44,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
 from gateway.proxy import REQUEST_ID, Proxy, new_request_id
 from gateway.registry import Registry
+from gateway.request_log import RequestLog
 from gateway.requests import ClientRequest, Kind, parse_body
 from gateway.routing.index import ShadowIndex
 from gateway.session import SessionKeys
@@ -99,6 +100,8 @@ class Gateway:
         self.registry = Registry(self.pools, cfg.circuit, cfg.security.allowed_upstreams)
         self.registry.add_static()
         self.proxy = Proxy(cfg.proxy, self.registry, self.metrics)
+        if cfg.request_log.path:
+            self.proxy.request_log = RequestLog(cfg.request_log, cfg.index.hash_seed, self.metrics)
         self.admission = Admission(
             cfg.limits.max_concurrency, cfg.limits.queue_size, cfg.limits.queue_timeout
         )
@@ -121,6 +124,8 @@ class Gateway:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.proxy.request_log is not None:
+            self.proxy.request_log.open()  # an unwritable path fails start-up, clearly
         await self.proxy.start()
         self._probe_session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0))
         if self.consumer is not None:
@@ -142,6 +147,8 @@ class Gateway:
         if self.bus is not None:
             await self.bus.close()
         await self.proxy.close()
+        if self.proxy.request_log is not None:
+            await asyncio.to_thread(self.proxy.request_log.close)
         if self._probe_session is not None:
             await self._probe_session.close()
         for p in self.pools:

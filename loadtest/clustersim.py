@@ -107,6 +107,8 @@ class Arrival:
     tokens: bytes
     max_tokens: int
     session: str | None = None  # the gateway's session key (``x-session-id``)
+    #: the workers it may go to (a replayed request log's candidates); None: all
+    workers: frozenset[str] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -216,6 +218,8 @@ class ClusterConfig:
     """A simulated cluster: workers, engine, gateway and the delays between them."""
 
     workers: int = 8
+    #: worker ids (a replayed log's); empty: ``worker-<i>``. Given, they set ``workers``
+    names: list[str] = field(default_factory=list)
     policy: str = "ttft"
     policy_params: dict[str, Any] = field(default_factory=dict)
     # engine (per worker) -- the live sim's defaults
@@ -247,6 +251,10 @@ class ClusterConfig:
     slo_ttft_ms: float = 2000.0  # the driver's default
 
     def __post_init__(self) -> None:
+        if self.names:
+            if len(set(self.names)) != len(self.names):
+                raise ValueError("worker names must be distinct")
+            self.workers = len(self.names)
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
         if self.event_lag < 0 or self.report_lag < 0:
@@ -259,8 +267,8 @@ class ClusterConfig:
             raise ValueError("max_num_seqs must be below max_num_batched_tokens")
 
     def worker_names(self) -> list[str]:
-        """``worker-<i>``, the live stack's ids, so per-worker tables line up."""
-        return [f"worker-{i}" for i in range(self.workers)]
+        """``names``, or ``worker-<i>`` (the live stack's ids), so per-worker tables line up."""
+        return list(self.names) or [f"worker-{i}" for i in range(self.workers)]
 
     def timing_model(self) -> TimingModel:
         base = timing_model(self.timing, self.speedup)
@@ -641,7 +649,8 @@ class ClusterSim:
         n = len(tokens) // TOKEN_BYTES
         router = self.router
         keys = self.keyfn.keys(tokens)
-        decision = router.route(keys, n, t, session_key=a.session)
+        exclude = () if a.workers is None else self._by_name.keys() - a.workers
+        decision = router.route(keys, n, t, session_key=a.session, exclude=exclude)
         ticket = router.started(decision, n, t)
         w = self._by_name[decision.worker]
         w.touched_at = t
@@ -906,6 +915,7 @@ def pooled_config(config: ClusterConfig) -> ClusterConfig:
     return dataclasses.replace(
         config,
         workers=1,
+        names=[],
         policy="round_robin",
         policy_params={},
         kv_blocks=config.kv_blocks * n,

@@ -20,6 +20,12 @@ Examples::
     kvroute simulate --workload chat --workers 8 --kv-blocks 2048 --bound --capacity
     kvroute simulate --gen-trace trace.jsonl --requests 50000 --duration-s 600
     kvroute simulate --trace trace.jsonl --workers 64 --compare-policies ttft,round_robin
+    kvroute simulate --from-log 'gw-requests.jsonl*' --compare ttft,prefix,round_robin --plot out/
+
+``--from-log`` replays a gateway request log (``request_log.path``; ``loadtest/replay.py``):
+the captured arrivals, key chains, lengths and candidate workers, under any policy and
+``--policy-param`` values; each result says how often it chose the worker the live gateway
+chose.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from loadtest.clustersim import (
     retime,
     simulate,
 )
+from loadtest.replay import CapturedLog, agreement, read_log
 from loadtest.report import format_table
 from loadtest.workloads import WorkItem, make_workload, tokenize_segments, write_synthetic_trace
 
@@ -302,6 +309,11 @@ def for_comparison(cfg: Any) -> dict[str, Any]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("request stream")
     src.add_argument("--trace", help="Mooncake-format JSONL trace (streamed)")
+    src.add_argument("--from-log", nargs="+", metavar="PATH",
+                     help="gateway request log files or globs (request_log.path) to replay")  # fmt: skip
+    src.add_argument("--pool", help="--from-log: the pool to replay (when the log has several)")
+    src.add_argument("--skip-bad", action="store_true",
+                     help="--from-log: skip and count malformed lines instead of failing")  # fmt: skip
     src.add_argument("--workload", choices=["chat", "agent", "shared_prefix"])
     src.add_argument("--set", action="append", default=[], metavar="PARAM=VALUE",
                      help="workload parameter (YAML value), e.g. --set conversations=500")  # fmt: skip
@@ -318,8 +330,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--only-gen", action="store_true", help="--gen-trace: write and stop")
     cl = p.add_argument_group("cluster")
     cl.add_argument("--workers", type=int, default=8)
-    cl.add_argument("--policy", default="ttft")
-    cl.add_argument("--compare-policies", metavar="P1,P2,...",
+    cl.add_argument("--policy", help="routing policy (default: ttft; --from-log: the log's)")
+    cl.add_argument("--policy-param", action="append", default=[], metavar="PARAM=VALUE",
+                    help="policy parameter (YAML value), e.g. --policy-param tie_ms=5")  # fmt: skip
+    cl.add_argument("--compare-policies", "--compare", metavar="P1,P2,...",
                     help="run the same stream through each of these policies")  # fmt: skip
     cl.add_argument("--kv-blocks", type=int,
                     help=f"KV blocks per worker (default {DEFAULT_KV_TOKENS} tokens' worth)")  # fmt: skip
@@ -340,6 +354,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--ttft-factor", type=float, default=3.0, help="capacity criterion")
     out.add_argument("--json", action="store_true", help="print only the JSON object")
     out.add_argument("--out", help="also write the JSON object to this file")
+    out.add_argument("--plot", metavar="DIR", help="write comparison plots (PNG) to DIR")
     out.add_argument("--no-progress", action="store_true")
 
 
@@ -361,7 +376,10 @@ class _Stream:
         self.trace = args.trace
         self._list: list[Arrival] | None = None
         self._info: TraceInfo | None = None
-        if not self.trace:
+        self.log: CapturedLog | None = None
+        if args.from_log:
+            self.log = read_log(args.from_log, pool=args.pool, skip_bad=args.skip_bad)
+        elif not self.trace:
             self._list = workload_arrivals(
                 args.workload, _params(args.set), seed=args.seed, mode=args.mode
             )
@@ -370,11 +388,22 @@ class _Stream:
 
     def describe(self) -> dict[str, Any]:
         a = self.args
+        if self.log is not None:
+            return {
+                "kind": "request_log",
+                "pool": self.log.pool,
+                "block_size": self.log.block_size,
+                "workers": self.log.names,
+                "captured_policies": self.log.policies,
+                **dataclasses.asdict(self.log.stats),
+            }
         if self.trace:
             return {"kind": "trace", "path": self.trace, "speed": a.speed, "limit": a.limit}
         return {"kind": a.workload, "params": _params(a.set), "mode": a.mode, "seed": a.seed}
 
     def count(self) -> int | None:
+        if self.log is not None:
+            return len(self.log)
         if self._list is not None:
             return len(self._list)
         return self.info().requests
@@ -387,6 +416,8 @@ class _Stream:
     def at(self, rate: float | None) -> Iterable[Arrival]:
         """The stream at ``rate`` req/s (None: as given, with --speed for traces)."""
         a = self.args
+        if self.log is not None:
+            return self.log.arrivals(rate)
         if self._list is not None:
             return retime(self._list, rate) if rate else list(self._list)
         speed = a.speed if not rate else rate / self.info().rate
@@ -395,11 +426,19 @@ class _Stream:
     def reference(self) -> Iterable[Arrival]:
         return self.at(None)
 
+    def unrestricted(self, rate: float | None) -> Iterable[Arrival]:
+        """The stream without per-request candidate sets (the pooled bound's one worker)."""
+        if self.log is not None:
+            return self.log.arrivals(rate, candidates=False)
+        return self.at(rate)
+
 
 def _config(args: argparse.Namespace, policy: str) -> ClusterConfig:
     return ClusterConfig(
         workers=args.workers,
+        names=args.names,
         policy=policy,
+        policy_params=_params(args.policy_param),
         kv_blocks=args.kv_blocks,
         block_size=args.block_size,
         timing=args.timing,
@@ -465,30 +504,53 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if not args.trace and not args.workload:
             args.trace = args.gen_trace
-    if bool(args.trace) == bool(args.workload):
-        raise SystemExit("give exactly one of --trace FILE and --workload KIND")
+    if sum(map(bool, (args.trace, args.workload, args.from_log))) != 1:
+        raise SystemExit("give exactly one of --trace FILE, --workload KIND and --from-log PATH")
+    args.names = []
+    stream = _Stream(args)
+    if stream.log is not None:
+        log = stream.log
+        if not len(log):
+            raise SystemExit(f"the request log holds no records of pool {log.pool!r}")
+        if args.block_size not in (None, log.block_size):
+            raise SystemExit(f"--block-size: the log's pool uses {log.block_size}")
+        args.block_size = log.block_size
+        args.names = log.names
+        args.workers = len(args.names)
+        if args.policy is None:
+            args.policy = max(log.policies.items(), key=lambda kv: kv[1])[0]
+    args.policy = args.policy or "ttft"
     if args.block_size is None:
         args.block_size = TRACE_BLOCK_TOKENS if args.trace else 16
     if args.kv_blocks is None:
         args.kv_blocks = max(1, DEFAULT_KV_TOKENS // args.block_size)
     quiet = args.no_progress or args.json
-    stream = _Stream(args)
     total = stream.count() if not args.trace or args.rate or args.limit else None
     policies = [p.strip() for p in (args.compare_policies or args.policy).split(",") if p.strip()]
     report: dict[str, Any] = {"workload": stream.describe(), "rate": args.rate, "results": []}
     rows = []
+    runs: list[tuple[str, SimResult]] = []
     first: ClusterConfig | None = None
     for policy in policies:
         cfg = _config(args, policy)
         first = first or cfg
         res, wall = _timed(policy, total, quiet, partial(_simulate, stream, args.rate, cfg))
-        report["results"].append({"policy": policy, "wall_s": round(wall, 2), **res.to_json()})
-        rows.append(_row(f"kvroute-{policy}", res, wall))
+        entry = {"policy": policy, "wall_s": round(wall, 2), **res.to_json()}
+        row = _row(f"kvroute-{policy}", res, wall)
+        if stream.log is not None:
+            entry["same_worker_as_live"] = agree = agreement(stream.log, res)
+            row["same worker as live"] = agree["rate"]
+        report["results"].append(entry)
+        rows.append(row)
+        runs.append((policy, res))
     assert first is not None
     report["cluster"] = dataclasses.asdict(first)
     if args.bound:
         res, wall = _timed(
-            "bound", total, quiet, lambda pr: pooled_bound(stream.at(args.rate), first, pr)
+            "bound",
+            total,
+            quiet,
+            lambda pr: pooled_bound(stream.unrestricted(args.rate), first, pr),
         )
         report["bound_hit_rate"] = res.hit_rate
         report["bound"] = {"wall_s": round(wall, 2), **res.to_json()}
@@ -497,6 +559,8 @@ def run(args: argparse.Namespace) -> int:
         cap = _capacity(stream, first, args, quiet)
         report["capacity_rps"] = round(cap.rate, 3)
         report["capacity"] = cap.to_json()
+    if args.plot:
+        report["plots"] = _plots(report, runs, Path(args.plot))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
     if args.json:
@@ -510,6 +574,20 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         print(f"JSON written to {args.out}")
     return 0
+
+
+def _plots(report: dict[str, Any], runs: list[tuple[str, SimResult]], out: Path) -> list[str]:
+    """The comparison's plots (``loadtest.plots.compare_plots``) for these runs, one load."""
+    from loadtest.plots import compare_plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    results = [
+        {"system": f"kvroute-{p}", "load": 1.0, "ttfts_ms": res.ttfts_ms(), **res.summary}
+        for p, res in runs
+    ]
+    cfg = {"slo_ttft_ms": runs[0][1].config.slo_ttft_ms} if runs else {}
+    data = {"results": results, "config": cfg, "bound_hit_rate": report.get("bound_hit_rate")}
+    return compare_plots(data, out)
 
 
 def _slim(obj: Any) -> Any:

@@ -1,0 +1,208 @@
+"""``kvroute simulate --from-log``: a captured request log replayed in the cluster simulator.
+
+The live test captures a log from a real stack (gateway + sim workers + agents + Redis) and
+replays it under the same policy. Which decisions must agree: with the same index state and
+the same random source, the chosen worker of every request. The ``prefix`` policy (longest
+cached prefix, load ignored, cold picks and ties at random) decides from the index alone, so
+with a seeded pool (``pools.N.seed`` = the replay's ``--seed``) and requests sent one after
+another (speculative inserts make each prompt's keys visible to the next decision in both
+worlds) every decision must be the same. The ``ttft`` policy also weighs load, which the
+simulated engines' timing makes differ from the live ones, so it is compared, not matched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gateway.config import RequestLogSettings
+from gateway.proxy import Usage
+from gateway.request_log import RequestLog
+from gateway.routing.policy import Decision
+from loadtest import simulate
+from loadtest.clustersim import ClusterConfig
+from loadtest.clustersim import simulate as run_sim
+from loadtest.replay import LogFormatError, block_tokens, read_log, simulated_decisions
+from loadtest.stack import Stack, StackConfig, wait_for
+
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+]
+
+
+def write_log(path: Path, rows: list[tuple[list[int], int, str]], pool: str = "m") -> None:
+    """Records through the real writer: (keys, prompt tokens, chosen worker)."""
+    rl = RequestLog(RequestLogSettings(path=str(path)), "seed")
+    rl.open()
+    for keys, prompt, worker in rows:
+        d = Decision(worker, "round_robin", "turn", 0, None)
+        rl.record(pool, 16, keys, prompt, d, ["w-a", "w-b"], 0.0, Usage(prompt, 0, 3))
+        time.sleep(0.002)  # distinct arrival times
+    rl.close()
+
+
+def sim_args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    simulate.add_arguments(p)
+    return p.parse_args([*argv, "--no-progress"])
+
+
+def test_replayed_prompts_share_blocks_exactly_where_their_key_chains_do(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    write_log(path, [([1, 2, 3], 50, "w-a"), ([1, 2, 4], 60, "w-b"), ([9], 20, "w-a")])
+    log = read_log([str(path)])
+    assert (log.pool, log.block_size, log.names, len(log)) == ("m", 16, ["w-a", "w-b"], 3)
+    a, b, c = log.arrivals()
+    assert (a.prompt_tokens, b.prompt_tokens, c.prompt_tokens) == (50, 60, 20)
+    assert a.tokens[: 2 * 64] == b.tokens[: 2 * 64] and a.tokens[: 3 * 64] != b.tokens[: 3 * 64]
+    assert a.tokens[3 * 64 :] != b.tokens[3 * 64 : 3 * 64 + 8]  # tails are the request's own
+    assert a.workers == frozenset({"w-a", "w-b"}) and a.at == 0.0 < b.at < c.at
+    # distinct 64-bit keys give distinct blocks
+    keys = np.array([2**63 + 5, 5, 2**62 + 5], dtype=np.uint64)
+    toks = block_tokens(keys, 48, 16, 0)
+    assert len({toks[i * 64 : (i + 1) * 64] for i in range(3)}) == 3
+
+
+def test_bad_lines_name_file_and_line_and_a_truncated_tail_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    write_log(path, [([1, 2], 40, "w-a"), ([1, 3], 40, "w-b")])
+    good = path.read_text()
+    path.write_text(good + good.splitlines()[0][:37])  # the writer died mid-line
+    log = read_log([str(path)])
+    assert len(log) == 2 and log.stats.truncated == 1
+    lines = good.splitlines()
+    path.write_text(lines[0] + "\n{not json\n" + lines[1] + "\n")
+    with pytest.raises(LogFormatError, match=r"r\.jsonl:2: not a request log record"):
+        read_log([str(path)])
+    log = read_log([str(path)], skip_bad=True)
+    assert len(log) == 2 and log.stats.bad == 1 and log.stats.bad_lines == [f"{path}:2"]
+    bad = json.loads(lines[0]) | {"keys": ["00"]}
+    path.write_text(json.dumps(bad) + "\n" + lines[1] + "\n")
+    with pytest.raises(LogFormatError, match=r":1: .*16 hex digits"):
+        read_log([str(path)])
+    with pytest.raises(LogFormatError, match="no such request log"):
+        read_log([str(tmp_path / "none*.jsonl")])
+
+
+def test_several_pools_need_a_choice(tmp_path: Path) -> None:
+    write_log(tmp_path / "a.jsonl", [([1], 20, "w-a")], pool="p1")
+    write_log(tmp_path / "b.jsonl", [([1], 20, "w-a"), ([2], 20, "w-b")], pool="p2")
+    with pytest.raises(LogFormatError, match=r"several pools.*p1 \(1\), p2 \(2\)"):
+        read_log([str(tmp_path / "*.jsonl")])
+    log = read_log([str(tmp_path / "*.jsonl")], pool="p2")
+    assert len(log) == 2 and log.stats.other_pools == {"p1": 1}
+
+
+def test_round_robin_replays_to_the_logged_decisions(tmp_path: Path) -> None:
+    """A log written as round robin decided (sorted candidates in turn) replays exactly."""
+    path = tmp_path / "rr.jsonl"
+    write_log(path, [([i, i + 1], 40, ("w-a", "w-b")[i % 2]) for i in range(10)])
+    log = read_log([str(path)])
+    res = run_sim(log.arrivals(), ClusterConfig(names=log.names, policy="round_robin"))
+    assert simulated_decisions(res, len(log)) == [r.worker for r in log.rows]
+
+
+def _complete(url: str, prompt: str) -> dict[str, object]:
+    body = json.dumps({"model": "sim-model", "prompt": prompt, "max_tokens": 4}).encode()
+    req = urllib.request.Request(
+        url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        out: dict[str, object] = json.loads(resp.read())
+        return out
+
+
+def test_a_log_captured_live_replays_to_the_same_decisions_and_compares_policies(
+    tmp_path: Path,
+) -> None:
+    log_path = tmp_path / "requests.jsonl"
+    cfg = StackConfig(
+        workers=3,
+        speedup=20,
+        policy="prefix",
+        pool_settings={"seed": 7},
+        gateway_settings={"request_log": {"path": str(log_path)}},
+        log_dir=tmp_path / "stack",
+    )
+    rng = random.Random(3)
+    prefixes = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(4)]
+    sent = 24
+    with Stack(cfg) as stack:
+        url = stack.gateway_urls[0]
+        for i in range(sent):
+            suffix = " ".join(rng.choice(WORDS) for _ in range(15))
+            _complete(url, f"{prefixes[rng.randrange(4)]} question {i}: {suffix}")
+        assert wait_for(lambda: len(log_path.read_text().splitlines()) >= sent, 10.0) is not None
+    log = read_log([str(log_path)])
+    assert len(log) == sent and log.names == ["worker-0", "worker-1", "worker-2"]
+    assert log.policies == {"prefix": sent}
+    assert all(r.output_tokens == 4 for r in log.rows)
+    live = [r.worker for r in log.rows]
+    assert len(set(live)) > 1  # the groups spread over workers (a trivial log proves nothing)
+    reasons = [json.loads(x)["reason"] for x in log_path.read_text().splitlines()]
+    assert reasons.count("cache") >= sent - 4  # all but each group's first hit the index
+
+    res = run_sim(log.arrivals(), ClusterConfig(names=log.names, policy="prefix", seed=7))
+    assert simulated_decisions(res, len(log)) == live
+
+    out = tmp_path / "report.json"
+    args = sim_args("--from-log", str(log_path), "--compare", "prefix,round_robin",
+                    "--seed", "7", "--out", str(out), "--plot", str(tmp_path / "plots"))  # fmt: skip
+    assert simulate.run(args) == 0
+    report = json.loads(out.read_text())
+    assert report["workload"]["kind"] == "request_log"
+    by = {r["policy"]: r for r in report["results"]}
+    assert by["prefix"]["same_worker_as_live"]["rate"] == 1.0
+    assert by["round_robin"]["same_worker_as_live"]["rate"] < 1.0
+    assert by["prefix"]["summary"]["hit_rate"] > by["round_robin"]["summary"]["hit_rate"]
+    assert (tmp_path / "plots" / "ttft_cdf.png").exists()
+
+
+def test_the_gateway_keeps_serving_when_the_log_cannot_be_written(tmp_path: Path) -> None:
+    """/dev/full: the file opens, every write fails (a full disk). Requests still succeed
+    and the drops are counted."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    cfg = StackConfig(
+        workers=2,
+        speedup=20,
+        gateway_settings={"request_log": {"path": "/dev/full"}},
+        log_dir=tmp_path,
+    )
+    with Stack(cfg) as stack:
+        url = stack.gateway_urls[0]
+        for i in range(5):
+            out = _complete(url, f"hello {i} " + " ".join(WORDS))
+            assert out["choices"]
+
+        def dropped() -> bool:
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+            return any(
+                line.startswith('kvroute_request_log_dropped_total{cause="write_error"}')
+                and float(line.split()[-1]) >= 1
+                for line in text.splitlines()
+            )
+
+        assert wait_for(dropped, 10.0) is not None
+        assert _complete(url, "still serving")["choices"]
