@@ -162,14 +162,14 @@ PEERS: dict[str, PeerSpec] = {
             tokenizer=True,
             pd_decode_policy="power_of_two",
             note="smg --pd-disaggregation: prefill by cache_aware, decode by power_of_two",
-        ),  # fmt: skip
+        ),
         PeerSpec(
             "smg-pd-round_robin",
             "smg",
             "round_robin",
             pd_decode_policy="round_robin",
             note="load-blind baseline (disaggregated)",
-        ),  # fmt: skip
+        ),
         PeerSpec(
             "vllm-router-pd-kv_aware",
             "vllm-router",
@@ -179,7 +179,7 @@ PEERS: dict[str, PeerSpec] = {
             pd_decode_policy="power_of_two",
             note="vllm-router --vllm-pd-disaggregation --kv-connector nixl: prefill by "
             "kv_aware (KV events), decode by power_of_two",
-        ),  # fmt: skip
+        ),
         PeerSpec(
             "vllm-router-pd-round_robin",
             "vllm-router",
@@ -187,7 +187,7 @@ PEERS: dict[str, PeerSpec] = {
             token_ids=True,
             pd_decode_policy="round_robin",
             note="load-blind baseline (disaggregated)",
-        ),  # fmt: skip
+        ),
         PeerSpec(
             "sglang-router-cache_aware-historical",
             "sglang-router",
