@@ -154,6 +154,12 @@ class CompareConfig:
     #: data-parallel ranks per worker, each a prefix cache and engine core of its own (the
     #: offline bound and capacity count ranks as workers: a rank is an independent engine)
     dp_size: int = 1
+    #: the engines imitated: "vllm" or "sglang" (each speaks its own disaggregation protocol)
+    flavor: str = "vllm"
+    #: prefill/decode disaggregation: the first ``prefill_workers`` workers prefill, the
+    #: others decode (0: none). The offline bound and capacity count the prefill workers:
+    #: their caches are what the bound is about (give ``capacity_rps`` for the pair's)
+    prefill_workers: int = 0
     #: KV blocks per worker; 0: what the model leaves in GPU memory (the settings below)
     kv_blocks: int = 0
     block_size: int = 16
@@ -520,7 +526,7 @@ def pick_best(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 def _cluster(cfg: CompareConfig) -> ClusterConfig:
     return ClusterConfig(
-        workers=cfg.workers * cfg.dp_size,
+        workers=(cfg.prefill_workers or cfg.workers) * cfg.dp_size,
         policy="round_robin",
         kv_blocks=_kv_blocks(cfg),
         block_size=cfg.block_size,
@@ -713,6 +719,8 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
     stack_cfg = StackConfig(
         workers=cfg.workers,
         dp_size=cfg.dp_size,
+        flavor=cfg.flavor,
+        prefill_workers=cfg.prefill_workers,
         kv_blocks=_kv_blocks(cfg),
         block_size=cfg.block_size,
         speedup=cfg.speedup,

@@ -170,15 +170,16 @@ PEERS: dict[str, PeerSpec] = {
             pd_decode_policy="round_robin",
             note="load-blind baseline (disaggregated)",
         ),
+        # its kv_aware policy takes static --kv-event-source in regular mode only
         PeerSpec(
-            "vllm-router-pd-kv_aware",
+            "vllm-router-pd-cache_aware",
             "vllm-router",
-            "kv_aware",
-            kv_events=True,
+            "cache_aware",
             token_ids=True,
             pd_decode_policy="power_of_two",
             note="vllm-router --vllm-pd-disaggregation --kv-connector nixl: prefill by "
-            "kv_aware (KV events), decode by power_of_two",
+            "cache_aware (its kv_aware takes static KV-event sources in regular mode only), "
+            "decode by power_of_two",
         ),
         PeerSpec(
             "vllm-router-pd-round_robin",
@@ -254,7 +255,10 @@ def _pd_args(flag: str, pool: Pool, spec: PeerSpec, bootstrap: bool) -> list[str
     for url in pool.with_role("decode"):
         args += ["--decode", url]
     assert spec.pd_decode_policy is not None
-    return [*args, "--prefill-policy", spec.policy, "--decode-policy", spec.pd_decode_policy]
+    return [
+        *args, "--policy", spec.policy,
+        "--prefill-policy", spec.policy, "--decode-policy", spec.pd_decode_policy,
+    ]  # fmt: skip
 
 
 class Peer:

@@ -395,3 +395,19 @@ def test_compare_on_data_parallel_workers(tmp_path: Path) -> None:
     assert set(rows["kvroute"]["per_worker"]) == {"worker-0.dp0", "worker-0.dp1"}
     assert rows["kvroute"]["hit_rate"] > rows["smg-round_robin"]["hit_rate"]
     assert report["config"]["dp_size"] == 2
+
+
+@pytest.mark.parametrize(
+    ("flavor", "peer"), [("vllm", "vllm-router-pd-cache_aware"), ("sglang", "smg-pd-cache_aware")]
+)
+def test_compare_on_disaggregated_workers(tmp_path: Path, flavor: str, peer: str) -> None:
+    """Prefill/decode pools: kvroute and the peer that speaks the engines' protocol route
+    the same requests over 2 prefill + 2 decode workers; both serve them all."""
+    cfg = small(tmp_path, ["kvroute", peer], workers=4, prefill_workers=2, flavor=flavor)
+    report = run_compare(cfg)
+    rows = {r["system"]: r for r in report["results"]}
+    for r in rows.values():
+        assert "error" not in r and r["failed"] == 0 and r["requests"] > 10, r
+        # the engines' counters: decode workers ran every request's generation
+        assert all(r["per_worker"][f"worker-{i}"]["requests"] > 0 for i in (2, 3)), r
+    assert rows["kvroute"]["hit_rate"] > 0.3
