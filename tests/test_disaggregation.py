@@ -204,3 +204,13 @@ def test_roles_decide_the_router_and_an_unknown_role_is_refused() -> None:
     # a worker that changes role moves to the other router
     reg.sync({**infos, "d": WorkerInfo("d", "http://127.0.0.1:2", MODEL, role="prefill")})
     assert sorted(router.workers()) == ["d", "p"] and decode.workers() == []
+
+
+def test_bad_roles_are_refused_at_start() -> None:
+    from loadtest.enginesim.config import PdConfig
+    from worker_agent.config import AgentConfig
+
+    with pytest.raises(ValueError, match="role must be one of"):
+        AgentConfig(worker_id="w", model="m", role="verify").validate()
+    with pytest.raises(ValueError, match="pd.role"):
+        PdConfig(role="verify")  # type: ignore[arg-type]
