@@ -160,6 +160,8 @@ class CompareConfig:
     #: others decode (0: none). The offline bound and capacity count the prefill workers:
     #: their caches are what the bound is about (give ``capacity_rps`` for the pair's)
     prefill_workers: int = 0
+    #: LoRA workloads (``params.adapters``): adapter GPU slots per engine (vLLM --max-loras)
+    max_loras: int = 2
     #: KV blocks per worker; 0: what the model leaves in GPU memory (the settings below)
     kv_blocks: int = 0
     block_size: int = 16
@@ -288,7 +290,9 @@ class Stream:
         self._fill(self._origin() + end / factor)
         t0 = self._origin()  # a trace's first timestamp need not be 0
         items = [
-            WorkItem(it.index, (it.at - t0) * factor, it.session, it.segments, it.max_tokens)
+            WorkItem(
+                it.index, (it.at - t0) * factor, it.session, it.segments, it.max_tokens, it.model
+            )
             for it in self.items
             if (it.at - t0) * factor <= end
         ]
@@ -377,7 +381,7 @@ class _Speller:
             src = s.ids or ()
             segs.append(Segment(s.key, s.role, "".join(self.words[i % n] for i in src)))
             ids.extend(self.ids[i % n] for i in src)
-        out = WorkItem(it.index, it.at, it.session, segs, it.max_tokens)
+        out = WorkItem(it.index, it.at, it.session, segs, it.max_tokens, it.model)
         if not self._checked:
             real = self.tokenizer.encode(out.prompt_text(), add_special_tokens=True)
             if real != ids:
@@ -716,11 +720,24 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
         "definitions": {"capacity": CAPACITY_DEFINITION, "capacity_at_slo": SLO_DEFINITION},
         "notes": {s: PEERS[s].note for s in cfg.systems if is_peer(s) and PEERS[s].note},
     }
+    adapters = list(cfg.params.get("adapters") or [])
+    lora_args = (
+        [
+            "--set",
+            f"lora.adapters={json.dumps(adapters)}",
+            "--set",
+            f"lora.max_loras={cfg.max_loras}",
+        ]
+        if adapters
+        else []
+    )
     stack_cfg = StackConfig(
         workers=cfg.workers,
         dp_size=cfg.dp_size,
         flavor=cfg.flavor,
         prefill_workers=cfg.prefill_workers,
+        sim_args=lora_args,
+        pool_settings={"adapters": adapters} if adapters else {},
         kv_blocks=_kv_blocks(cfg),
         block_size=cfg.block_size,
         speedup=cfg.speedup,

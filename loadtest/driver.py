@@ -78,7 +78,7 @@ class LoadResult:
 
 def _payload(item: WorkItem, cfg: DriverConfig) -> tuple[str, dict[str, Any]]:
     common = {
-        "model": cfg.model,
+        "model": item.model or cfg.model,
         "max_tokens": item.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},

@@ -358,6 +358,8 @@ class WorkItem:
     session: str
     segments: list[Segment]
     max_tokens: int
+    #: the LoRA adapter the request asks for (its ``model``); None: the pool's base model
+    model: str | None = None
 
     def messages(self) -> list[dict[str, str]]:
         """Chat messages: consecutive segments of one role merge into one message."""
@@ -428,12 +430,16 @@ class ChatWorkload(Workload):
     assistant_tokens: tuple[int, int] = (50, 200)  # reply length = max_tokens of that turn
     think_time: float = 8.0  # seconds between a conversation's turns (mean, exponential)
     rate: float = 2.0  # conversations started per second
+    #: LoRA adapters: system prompt i is served by the base model and these in turn
+    #: (i mod (1 + len)), so each conversation asks for its system prompt's adapter
+    adapters: tuple[str, ...] = ()
     seed: int = 0
     name: str = "chat"
     sessions_ramp: ClassVar[bool] = True
 
     def items(self) -> Iterator[WorkItem]:
         rng = random.Random(self.seed)
+        models: list[str | None] = [None, *self.adapters]
         systems = [
             Segment(
                 f"sys{i}", "system", _text(random.Random(f"{self.seed}-sys{i}"), self.system_tokens)
@@ -444,13 +450,14 @@ class ChatWorkload(Workload):
         items: list[WorkItem] = []
         for c, t0 in enumerate(starts):
             crng = random.Random(f"{self.seed}-conv{c}")
-            history = [systems[crng.randrange(len(systems))]]
+            s = crng.randrange(len(systems))
+            history, model = [systems[s]], models[s % len(models)]
             t = t0
             for turn in range(crng.randint(*self.turns)):
                 user = Segment(f"c{c}u{turn}", "user", _text(crng, crng.randint(*self.user_tokens)))
                 reply_len = crng.randint(*self.assistant_tokens)
                 history = [*history, user]
-                items.append(WorkItem(0, t, f"conv-{c}", history, reply_len))
+                items.append(WorkItem(0, t, f"conv-{c}", history, reply_len, model))
                 reply = Segment(f"c{c}a{turn}", "assistant", _text(crng, reply_len))
                 history = [*history, reply]
                 t += crng.expovariate(1.0 / self.think_time) if self.think_time > 0 else 0.0

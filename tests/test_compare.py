@@ -411,3 +411,26 @@ def test_compare_on_disaggregated_workers(tmp_path: Path, flavor: str, peer: str
         # the engines' counters: decode workers ran every request's generation
         assert all(r["per_worker"][f"worker-{i}"]["requests"] > 0 for i in (2, 3)), r
     assert rows["kvroute"]["hit_rate"] > 0.3
+
+
+def test_compare_with_lora_adapters(tmp_path: Path) -> None:
+    """Conversations under three system prompts, served by the base model and two adapters:
+    every request asks for its prompt's adapter, kvroute routes each to workers holding (or
+    with loaded) that adapter and serves them all."""
+    params = {
+        "conversations": 60, "turns": [2, 3], "system_prompts": 3, "system_tokens": 300,
+        "user_tokens": [20, 40], "assistant_tokens": [5, 10], "think_time": 0.5,
+        "adapters": ["sql", "legal"],
+    }  # fmt: skip
+    cfg = small(
+        tmp_path,
+        ["kvroute", "vllm-router-kv_aware", "vllm-router-round_robin"],
+        workload="chat",
+        params=params,
+        mode="chat",
+    )
+    report = run_compare(cfg)
+    rows = {r["system"]: r for r in report["results"]}
+    for r in rows.values():
+        assert "error" not in r and r["failed"] == 0 and r["requests"] > 10, r
+    assert rows["kvroute"]["hit_rate"] > rows["vllm-router-round_robin"]["hit_rate"]
