@@ -99,6 +99,13 @@ class GatewayMetrics:
             multiprocess_mode="min",
             registry=r,
         )
+        self.worker_info = Gauge(
+            "kvroute_worker_info",
+            "1 per worker: its engine (agent) id, data-parallel rank and disaggregation role",
+            ["pool", "worker", "engine_id", "dp_rank", "role"],
+            multiprocess_mode="max",
+            registry=r,
+        )
         self.index_blocks = Gauge(
             "kvroute_index_blocks",
             "Canonical blocks the shadow index holds per worker",

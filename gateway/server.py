@@ -235,6 +235,10 @@ class Gateway:
             m.circuit.labels(pool, wid).set(_circuit_value(e.circuit.state))
             m.healthy.labels(pool, wid).set(1 if self.registry.healthy(wid, now) else 0)
             m.index_blocks.labels(pool, wid).set(counts.get(wid, 0))
+            info = e.info
+            rank = "" if info is None or info.dp_rank is None else str(info.dp_rank)
+            engine = (info.engine_id if info is not None else "") or wid
+            m.worker_info.labels(pool, wid, engine, rank, e.role).set(1)
             rep = e.pool.router_for(e.role).loads.last_report(wid)
             m.kv_usage.labels(pool, wid).set(rep.kv_usage if rep else 0.0)
         for p in self.pools:
@@ -260,7 +264,7 @@ class Gateway:
 
     def _forget_worker_metrics(self, wid: str) -> None:
         m = self.metrics
-        for gauge in (m.circuit, m.healthy, m.index_blocks, m.kv_usage):
+        for gauge in (m.circuit, m.healthy, m.index_blocks, m.kv_usage, m.worker_info):
             for labels in list(gauge._metrics):  # the registry keeps label sets forever otherwise
                 if len(labels) > 1 and labels[1] == wid:
                     with contextlib.suppress(KeyError):

@@ -212,5 +212,5 @@ def test_bad_roles_are_refused_at_start() -> None:
 
     with pytest.raises(ValueError, match="role must be one of"):
         AgentConfig(worker_id="w", model="m", role="verify").validate()
-    with pytest.raises(ValueError, match="pd.role"):
+    with pytest.raises(ValueError, match=r"pd\.role"):
         PdConfig(role="verify")  # type: ignore[arg-type]

@@ -490,6 +490,45 @@ def panels() -> list[dict[str, Any]]:
         8,
         8,
     )
+    # topologies: a data-parallel rank is a worker "<engine>.dp<r>"; disaggregated workers
+    # have a role (kvroute_worker_info carries both, to join on)
+    L.add(
+        timeseries(
+            "Requests per second by role",
+            targets(
+                (
+                    "sum by (role) (sum by (pool, worker) "
+                    f"(rate(kvroute_requests_total{{{SEL}}}[$__rate_interval])) "
+                    f"* on (pool, worker) group_left (role) max by (pool, worker, role) "
+                    f"(kvroute_worker_info{{{SEL}}}))",
+                    "{{role}}",
+                )
+            ),
+            "reqps",
+            "Prefill and decode halves of disaggregated pairs (empty role: whole requests).",
+        ),
+        12,
+        8,
+    )
+    L.add(
+        timeseries(
+            "Requests per second per data-parallel rank",
+            targets(
+                (
+                    "sum by (engine_id, dp_rank) (sum by (pool, worker) "
+                    f"(rate(kvroute_requests_total{{{SEL}}}[$__rate_interval])) "
+                    f"* on (pool, worker) group_left (engine_id, dp_rank) max by "
+                    f"(pool, worker, engine_id, dp_rank) (kvroute_worker_info{{{SEL}}}))",
+                    "{{engine_id}} rank {{dp_rank}}",
+                )
+            ),
+            "reqps",
+            "Each rank holds its own prefix cache: an even spread over ranks with high hit "
+            "rates means the pinning works.",
+        ),
+        12,
+        8,
+    )
 
     L.row("Event bus and index")
     L.add(
