@@ -82,8 +82,12 @@ def helm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     yield run
 
 
+#: The chart's defaults need only the secrets it never generates (the render fails without).
+REQUIRED_SECRETS = ["--set", "index.hashSeed=ci-default-seed", "--set", "redis.bundled.password=ci-default-redis"]  # fmt: skip
+
+
 def values_args(name: str) -> list[str]:
-    return [] if name == "default" else ["-f", str(CHART / "ci" / name)]
+    return REQUIRED_SECRETS if name == "default" else ["-f", str(CHART / "ci" / name)]
 
 
 @pytest.fixture(scope="module")
@@ -462,6 +466,106 @@ def test_schema_follows_the_code() -> None:
     assert pool["policy"]["enum"] == policy_names()
 
 
+# -- GitOps: deterministic renders, required shared secrets, rolling on a change --------------
+
+
+@pytest.mark.parametrize("values", RENDERS)
+def test_render_is_identical_twice(helm: Any, values: str) -> None:
+    """Argo CD and Flux render with ``helm template`` on every sync: nothing may differ."""
+    args = ("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *values_args(values))
+    first, second = helm(*args), helm(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+
+
+SECRET_REQUIRED: list[tuple[str, list[str], str]] = [
+    ("no hash seed", [], "index.hashSeed or index.hashSeedSecretRef is required"),
+    (
+        "no bundled Redis password",
+        ["--set", "index.hashSeed=s"],
+        "redis.bundled.password or redis.bundled.passwordSecretRef is required",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("why", "args", "message"), SECRET_REQUIRED, ids=[w for w, _, _ in SECRET_REQUIRED]
+)
+def test_shared_secrets_are_required_never_generated(
+    helm: Any, why: str, args: list[str], message: str
+) -> None:
+    r = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args)
+    assert r.returncode != 0, f"{why}: rendered anyway"
+    assert message in r.stderr, r.stderr
+    assert "never generates" in r.stderr  # the message says why, not only what
+
+
+def test_shared_secrets_by_reference_only(helm: Any) -> None:
+    """Both shared secrets from Secrets the user owns: the chart stores neither."""
+    r = helm(
+        "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+        "--set", "index.hashSeedSecretRef.name=idx", "--set", "index.hashSeedSecretRef.key=seed",
+        "--set", "redis.bundled.passwordSecretRef.name=rds",
+        "--set", "redis.bundled.passwordSecretRef.key=pw",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    assert not by_kind(docs, "Secret")
+    _, gw = gateway_parts(docs)
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") for e in gw["env"]}
+    assert env["KVROUTE_INDEX__HASH_SEED"] == {"name": "idx", "key": "seed"}
+    assert env["KVROUTE_REDIS__PASSWORD"] == {"name": "rds", "key": "pw"}
+    redis = find(docs, "Deployment", f"{RELEASE}-kvroute-redis")
+    (rc,) = redis["spec"]["template"]["spec"]["containers"]
+    assert rc["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "rds", "key": "pw"}
+
+
+def _checksums(helm: Any, *args: str) -> dict[str, str]:
+    """Each Deployment's pod-template checksum annotations, joined: what rolls its pods."""
+    r = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args)
+    assert r.returncode == 0, r.stderr
+    out = {}
+    for d in by_kind([d for d in yaml.safe_load_all(r.stdout) if d], "Deployment"):
+        ann = d["spec"]["template"]["metadata"].get("annotations", {})
+        sums = sorted(
+            f"{k}={v}"
+            for k, v in ann.items()
+            if k.startswith("checksum/secret") or k == "checksum/password"
+        )
+        out[d["metadata"]["labels"]["app.kubernetes.io/component"]] = " ".join(sums)
+    return out
+
+
+def test_a_secret_change_rolls_every_consumer(helm: Any) -> None:
+    base = ["--set", "index.hashSeed=seed-1", "--set", "redis.bundled.password=pw-1"]
+    before = _checksums(helm, *base)
+    assert set(before) == {"gateway", "worker", "redis"} and all(before.values())
+
+    def changed(*extra: str) -> set[str]:
+        after = _checksums(helm, *base, *extra)
+        return {c for c in before if after[c] != before[c]}
+
+    # the seed: gateways and agents (worker pods); Redis does not use it
+    assert changed("--set", "index.hashSeed=seed-2") == {"gateway", "worker"}
+    # the Redis password: every one of them
+    assert changed("--set", "redis.bundled.password=pw-2") == {"gateway", "worker", "redis"}
+    # a client key is the gateway's alone: GPU pods are not restarted for it
+    assert changed("--set", "auth.adminKey=admin-2") == {"gateway"}
+    # Secrets the chart only references: a secretsRevision bump rolls every consumer
+    refs = [
+        "--set", "index.hashSeedSecretRef.name=idx", "--set", "index.hashSeedSecretRef.key=seed",
+        "--set", "redis.bundled.passwordSecretRef.name=rds",
+        "--set", "redis.bundled.passwordSecretRef.key=pw",
+    ]  # fmt: skip
+    ref_before = _checksums(helm, *refs)
+    ref_after = _checksums(helm, *refs, "--set", "secretsRevision=rotated-1")
+    assert {c for c in ref_before if ref_after[c] != ref_before[c]} == {
+        "gateway",
+        "worker",
+        "redis",
+    }
+
+
 # -- no secrets outside Secrets ----------------------------------------------------------------
 
 KNOWN_SECRETS = {
@@ -476,7 +580,7 @@ def test_secrets_only_in_secrets(rendered: dict[str, list[dict[str, Any]]], valu
     secrets = list(KNOWN_SECRETS.get(values, []))
     for s in by_kind(docs, "Secret"):
         secrets += [base64.b64decode(v).decode() for v in s.get("data", {}).values()]
-    if values != "external-redis-tls-values.yaml":  # there every secret is the user's own
+    if values not in ("external-redis-tls-values.yaml", "sglang-values.yaml"):  # all referenced
         assert secrets, "a Redis password or a hash seed is in a Secret"
     for doc in docs:
         if doc["kind"] == "Secret":
