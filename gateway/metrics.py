@@ -134,6 +134,19 @@ class GatewayMetrics:
             multiprocess_mode="min",
             registry=r,
         )
+        self.worker_rejected = Counter(
+            "kvroute_worker_rejected",
+            "Worker registrations refused, by reason (seed_mismatch, unknown_model, "
+            "upstream_not_allowed)",
+            ["reason"],
+            registry=r,
+        )
+        self.unverified_seed = Gauge(
+            "kvroute_workers_unverified_seed",
+            "Workers accepted whose registration has no seed fingerprint (older agents)",
+            multiprocess_mode="max",
+            registry=r,
+        )
         self.decision = Histogram(
             "kvroute_routing_decision_seconds",
             "Routing decision time (index lookup + scoring)",

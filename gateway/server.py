@@ -32,6 +32,7 @@ from gateway.circuit import CircuitState
 from gateway.config import ApiKey, GatewayConfig
 from gateway.consumer import Consumer
 from gateway.contract.bus import EventBus
+from gateway.contract.fingerprint import seed_fingerprint
 from gateway.contract.wire import key_digest
 from gateway.errors import ApiError, error_body
 from gateway.limits import Admission, TokenBucket
@@ -89,7 +90,13 @@ class Gateway:
             )
             for p in cfg.pools
         ]
-        self.registry = Registry(self.pools, cfg.circuit, cfg.security.allowed_upstreams)
+        self.registry = Registry(
+            self.pools,
+            cfg.circuit,
+            cfg.security.allowed_upstreams,
+            seed_fingerprint=seed_fingerprint(cfg.index.hash_seed),
+            on_reject=lambda reason: self.metrics.worker_rejected.labels(reason).inc(),
+        )
         self.registry.add_static()
         self.proxy = Proxy(cfg.proxy, self.registry, self.metrics)
         self.admission = Admission(
@@ -226,6 +233,7 @@ class Gateway:
             if total:
                 m.tokenizer_cache_hits.labels(p.name).set(st.token_hits / total)
         m.queued.set(self.admission.queued)
+        m.unverified_seed.set(len(self.registry.unverified))
         st_i = self.index.stats
         m.orphans.set(st_i.orphan_stores)
         if self.consumer is not None:

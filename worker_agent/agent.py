@@ -22,6 +22,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from gateway.contract.bus import BusError, EventBus, wait_event
+from gateway.contract.fingerprint import seed_fingerprint
 from gateway.contract.wire import Cleared, WorkerInfo, key_digest
 from gateway.routing.keys import BlockKeyer
 from worker_agent.config import AgentConfig
@@ -237,6 +238,7 @@ class Agent:
             labels=dict(cfg.labels),
             epoch=self.epoch,
             started_at=self.epoch / 1e6,
+            seed_fingerprint=seed_fingerprint(cfg.hash_seed),
         )
 
     async def _heartbeat_loop(self) -> None:

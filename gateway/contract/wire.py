@@ -118,6 +118,8 @@ class WorkerInfo:
 
     ``epoch`` identifies the agent run that wrote it (entries of other epochs are stale).
     ``kv_capacity_blocks`` is in canonical blocks (``block_size`` tokens each).
+    ``seed_fingerprint`` (``gateway.contract.fingerprint``) lets a gateway refuse an agent
+    keyed with another hash seed; empty from agents that predate it (accepted, unverified).
     """
 
     worker_id: str
@@ -133,6 +135,7 @@ class WorkerInfo:
     epoch: int = 0
     started_at: float = 0.0
     version: int = PROTOCOL_VERSION
+    seed_fingerprint: str = ""
 
 
 @dataclass(frozen=True)
