@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -124,3 +125,109 @@ def test_agent_with_another_seed_is_refused_counted_and_logged(tmp_path: Path) -
         assert wait_for(accepted, timeout=10) is not None
         assert wait_for(lambda: metric(gw, "kvroute_workers_unverified_seed") == 1.0, 5) is not None
         assert metric(gw, "kvroute_worker_rejected_total", reason="seed_mismatch") == 1.0
+
+
+# -- an agent while Redis is down ---------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/<pid>/stat)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def complete(url: str, prompt: str) -> int:
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2}).encode()
+    req = urllib.request.Request(
+        url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_agent_backs_off_while_redis_is_down_and_resyncs_after(tmp_path: Path) -> None:
+    """Redis killed: the agent's CPU and its bus attempts stay small (backoff
+    with jitter, not a busy loop; snapshots fall due every second here, which is what used to
+    spin), its connected gauge says 0 the whole time, and after Redis comes back (empty) the
+    gauge says 1 and the gateway's index equals the agent's mirror again (key digests),
+    events buffered during the outage included."""
+    cfg = StackConfig(
+        workers=1, speedup=100, log_dir=tmp_path,
+        agent_args=["--set", "publish.snapshot_interval=1"],
+    )  # fmt: skip
+    with Stack(cfg) as stack:
+        gw, agent = stack.gateway_urls[0], f"http://127.0.0.1:{stack.agent_ports[0]}"
+        pid = stack.agents[0].pid
+        assert pid is not None
+        for i in range(3):
+            assert complete(gw, f"warm-up {i} " * 40) == 200
+        assert wait_for(lambda: not stack.diverged(), 10) is not None
+        assert metric(agent, "kvroute_agent_redis_connected") == 1.0
+
+        assert stack.redis is not None
+        stack.redis.kill()
+        # the agent notices within a heartbeat or a publish, whichever comes first
+        assert wait_for(lambda: metric(agent, "kvroute_agent_redis_connected") == 0.0, 5)
+
+        # an idle engine: nothing to publish but heartbeats and snapshots falling due
+        errors0 = metric(agent, "kvroute_agent_publish_errors_total") or 0.0
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        gauge: list[float | None] = []
+
+        def window_over() -> bool:  # samples the gauge until the 5 s window is over
+            gauge.append(metric(agent, "kvroute_agent_redis_connected"))
+            return time.monotonic() - t0 >= 5.0
+
+        assert wait_for(window_over, timeout=10, step=0.25) is not None
+        cpu1, t1 = cpu_seconds(pid), time.monotonic()
+        errors1 = metric(agent, "kvroute_agent_publish_errors_total") or 0.0
+        window = t1 - t0
+        cpu_share = (cpu1 - cpu0) / window
+        error_rate = (errors1 - errors0) / window
+        print(f"Redis down {window:.1f}s: agent {cpu_share:.3f} core, {error_rate:.2f} errors/s")
+        assert len(gauge) >= 10 and set(gauge) == {0.0}, gauge
+        assert cpu_share < 0.2, f"agent used {cpu_share:.2f} of a core while Redis was down"
+        assert error_rate < 5, f"{error_rate:.1f} failed bus operations/s while Redis was down"
+
+        for i in range(10):  # the engine keeps storing blocks: the agent buffers its events
+            assert complete(gw, f"during the outage {i} " * 30) == 200
+        assert wait_for(lambda: (metric(agent, "kvroute_agent_buffer_depth") or 0) > 0, 5)
+        assert metric(agent, "kvroute_agent_redis_connected") == 0.0
+
+        stack.redis.start()  # empty: no persistence
+        assert wait_for(lambda: metric(agent, "kvroute_agent_redis_connected") == 1.0, 10)
+        assert wait_for(lambda: not stack.diverged(), 15) is not None, stack.diverged()
+        assert metric(agent, "kvroute_agent_buffer_depth") == 0.0
+
+
+def test_publisher_backoff_is_capped_exponential_with_jitter() -> None:
+    """Delays double from backoff_min up to backoff_max, each drawn from [d/2, d]; one
+    success resets them and says connected."""
+    from gateway.contract.bus import MemoryBus
+    from worker_agent.metrics import AgentMetrics
+    from worker_agent.publisher import Publisher, PublisherSettings
+
+    m = AgentMetrics()
+    pub = Publisher(MemoryBus(), "w", 1, dict, m, PublisherSettings(backoff_min=0.1, backoff_max=2))
+    assert m.value("redis_connected") == 0  # nothing has reached the bus yet
+    delays = []
+    for _ in range(12):
+        before = time.monotonic()
+        pub.bus_failed(ConnectionError("down"))
+        delays.append(pub._retry_at - before)
+        assert not pub.may_use_bus() and m.value("redis_connected") == 0
+    caps = [min(2.0, 0.1 * 2**i) for i in range(12)]
+    for d, cap in zip(delays, caps, strict=True):
+        assert cap / 2 - 0.01 <= d <= cap + 0.01, (d, cap)
+    assert len({round(d, 6) for d in delays[6:]}) > 1, "capped delays are jittered"
+    pub.bus_ok()
+    assert pub.may_use_bus() and m.value("redis_connected") == 1
+    before = time.monotonic()
+    pub.bus_failed(ConnectionError("down again"))
+    assert pub._retry_at - before <= 0.1 + 0.01  # the backoff restarted from backoff_min

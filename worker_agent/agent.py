@@ -246,12 +246,14 @@ class Agent:
         while not self._stopping:
             try:
                 await self.bus.register(self.worker_info(), self.config.registration_ttl)
-            except BusError:
+            except BusError as exc:
                 self.metrics.publish_errors.inc()
                 self.metrics.heartbeats.labels("error").inc()
+                self.publisher.bus_failed(exc)  # the one backoff and connected gauge
             else:
                 self.metrics.heartbeats.labels("ok").inc()
                 self.metrics.last_heartbeat.set(time.time())
+                self.publisher.bus_ok()
             await asyncio.sleep(self.config.heartbeat_interval)
 
     async def _report_loop(self) -> None:
@@ -269,10 +271,12 @@ class Agent:
                         self.adapter.block_size(samples) or self.engine_block_size
                     )
                 report = self.adapter.report(samples, time.time())
-                await self.bus.publish_report(self.config.worker_id, report, ttl)
+                if self.publisher.may_use_bus():  # else backing off: the report is stale soon
+                    await self.bus.publish_report(self.config.worker_id, report, ttl)
                 failing = False
-            except BusError:
+            except BusError as exc:
                 self.metrics.publish_errors.inc()
+                self.publisher.bus_failed(exc)
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 self.metrics.scrape_errors.inc()
                 if not failing:
