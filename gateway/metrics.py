@@ -13,13 +13,20 @@ With ``--workers N`` every process is a replica and the metrics are aggregated b
 prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set by the parent):
 counters and histograms add up; gauges that describe shared state (index size, circuit
 state, lag) take the worst replica's value.
+
+A worker that leaves must leave /metrics too (a dashboard of gone workers, an alert on a
+circuit that no longer exists). A single process removes its label sets; in multiprocess
+mode prometheus_client cannot (every process's file keeps a label set forever), so the
+exposition leaves out every series whose ``worker`` is not one the serving process knows.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Collection, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 __all__ = ["GatewayMetrics"]
@@ -237,9 +244,33 @@ class GatewayMetrics:
                 out.update(family.name + s for s in ("_bucket", "_sum", "_count"))
         return out
 
-    def exposition(self) -> bytes:
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            agg = CollectorRegistry()
-            MultiProcessCollector(agg)
-            return generate_latest(agg)
-        return generate_latest(self.registry)
+    @staticmethod
+    def multiprocess() -> bool:
+        return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+    def exposition(self, workers: Collection[str] | None = None) -> bytes:
+        """The text exposition; with ``workers``, series of any other worker are left out."""
+        source: CollectorRegistry = self.registry
+        if self.multiprocess():
+            source = CollectorRegistry()
+            MultiProcessCollector(source)
+        if workers is None:
+            return generate_latest(source)
+        return generate_latest(_OnlyWorkers(source, frozenset(workers)))  # type: ignore[arg-type]
+
+
+class _OnlyWorkers:
+    """A collector view of ``source`` without the series of workers not in ``workers``."""
+
+    def __init__(self, source: CollectorRegistry, workers: frozenset[str]) -> None:
+        self.source = source
+        self.workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [
+                s for s in family.samples if s.labels.get("worker", "") in self.workers
+                or "worker" not in s.labels
+            ]  # fmt: skip
+            yield out

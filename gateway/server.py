@@ -244,7 +244,11 @@ class Gateway:
             m.gaps.set(getattr(cs.apply, "gaps", 0))
 
     def _forget_worker_metrics(self, wid: str) -> None:
+        """Drop a departed worker's label sets (multiprocess mode cannot: the exposition
+        leaves out workers the registry no longer has, which covers both modes)."""
         m = self.metrics
+        if m.multiprocess():
+            return
         for gauge in (m.circuit, m.healthy, m.index_blocks, m.kv_usage):
             for labels in list(gauge._metrics):  # the registry keeps label sets forever otherwise
                 if len(labels) > 1 and labels[1] == wid:
@@ -385,7 +389,9 @@ class Gateway:
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         self._update_gauges(self.clock())
         return web.Response(
-            body=self.metrics.exposition(), content_type="text/plain", charset="utf-8"
+            body=self.metrics.exposition(workers=self.registry.workers),
+            content_type="text/plain",
+            charset="utf-8",
         )
 
     async def debug_route(self, request: web.Request) -> web.Response:

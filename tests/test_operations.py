@@ -231,3 +231,41 @@ def test_publisher_backoff_is_capped_exponential_with_jitter() -> None:
     before = time.monotonic()
     pub.bus_failed(ConnectionError("down again"))
     assert pub._retry_at - before <= 0.1 + 0.01  # the backoff restarted from backoff_min
+
+
+# -- a worker leaves a multi-process gateway ----------------------------------------------------
+
+PER_WORKER = ("kvroute_worker_healthy", "kvroute_circuit_state", "kvroute_index_blocks")
+
+
+def worker_series(url: str, worker: str) -> set[str]:
+    """Names of the per-worker series one /metrics scrape shows for ``worker``."""
+    _, body = get(url + "/metrics")
+    return {
+        line.split("{", 1)[0]
+        for line in body.decode().splitlines()
+        if not line.startswith("#") and f'worker="{worker}"' in line
+    }
+
+
+def test_departed_worker_series_leave_every_process(tmp_path: Path) -> None:
+    """Two gateway processes on one port (multiprocess metrics): once a worker deregisters,
+    no scrape (whichever process answers it) shows a series of it any more."""
+    cfg = StackConfig(workers=2, speedup=100, gateway_processes=2, log_dir=tmp_path)
+    with Stack(cfg) as stack:
+        gw = stack.gateway_urls[0]
+        assert len(set(stack.gateway_pids())) == 2
+        for i in range(4):
+            assert complete(gw, f"spread me {i} " * 30) == 200
+        leaving = stack.worker_id(1)
+        # each scrape is a new connection: the kernel spreads them over both processes
+        for _ in range(8):
+            assert set(PER_WORKER) <= worker_series(gw, leaving)
+        stack.agents[1].stop()  # SIGTERM: the agent deregisters the worker
+
+        def gone_everywhere() -> bool:
+            # 16 scrapes in a row without it: all on one process has probability 2**-15
+            return all(not worker_series(gw, leaving) for _ in range(16))
+
+        assert wait_for(gone_everywhere, timeout=15) is not None, worker_series(gw, leaving)
+        assert set(PER_WORKER) <= worker_series(gw, stack.worker_id(0))
