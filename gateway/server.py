@@ -145,12 +145,18 @@ class Gateway:
             p.tokenizer.close()
 
     def ready(self) -> tuple[bool, str]:
+        """Whether this process can answer: configuration loaded and index bootstrapped.
+
+        Worker health is deliberately not part of it: with no healthy worker a ready gateway
+        still answers (an OpenAI-shaped 503 with Retry-After), while an unready one would
+        drop out of its Service (connection errors instead), stall rollouts and
+        ``helm --wait``, and block node drains through its PodDisruptionBudget. Worker
+        health is ``kvroute_pool_healthy_workers`` and its alert."""
         if self.consumer is not None and not self.consumer.synced:
             return False, "index not bootstrapped yet"
         now = self.clock()
-        if not any(self.registry.healthy(w, now) for w in self.registry.workers):
-            return False, "no healthy worker"
-        return True, "ready"
+        healthy = sum(1 for w in self.registry.workers if self.registry.healthy(w, now))
+        return True, f"ready ({healthy} of {len(self.registry.workers)} workers healthy)"
 
     # -- background -------------------------------------------------------------------------
 

@@ -269,3 +269,40 @@ def test_departed_worker_series_leave_every_process(tmp_path: Path) -> None:
 
         assert wait_for(gone_everywhere, timeout=15) is not None, worker_series(gw, leaving)
         assert set(PER_WORKER) <= worker_series(gw, stack.worker_id(0))
+
+
+# -- readiness ---------------------------------------------------------------------------------
+
+
+def test_ready_with_every_worker_down_and_the_request_gets_the_gateways_503(
+    tmp_path: Path,
+) -> None:
+    """With no healthy worker the gateway stays ready (in its Service) and answers requests
+    with its own OpenAI-shaped 503; a gateway started while every worker is down becomes ready
+    too (a cold start does not wait for the engines)."""
+    with Stack(StackConfig(workers=1, speedup=100, log_dir=tmp_path)) as stack:
+        gw = stack.gateway_urls[0]
+        stack.fault(0, "kill")
+        body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
+
+        def answered_503() -> bool:
+            req = urllib.request.Request(
+                gw + "/v1/completions", data=body, headers={"content-type": "application/json"}
+            )
+            try:
+                urllib.request.urlopen(req, timeout=10).close()
+            except urllib.error.HTTPError as exc:
+                if exc.code == 503:
+                    err = json.loads(exc.read())["error"]
+                    return bool(err["code"] == "no_healthy_worker" and exc.headers["Retry-After"])
+            return False
+
+        assert wait_for(answered_503, timeout=10) is not None
+        assert metric(gw, "kvroute_pool_healthy_workers") == 0.0
+        status, ready = get(gw + "/ready")
+        assert status == 200, ready
+        assert json.loads(ready)["detail"] == "ready (0 of 1 workers healthy)"
+        # a new gateway, started with every worker down
+        stack.start_gateway(1)
+        assert wait_for(lambda: get(stack.gateway_urls[1] + "/ready")[0] == 200, 15) is not None
+        assert wait_for(lambda: get(stack.gateway_urls[1] + "/health")[0] == 200, 1) is not None
