@@ -48,8 +48,15 @@ class GatewayMetrics:
         )
         self.errors = Counter(
             "kvroute_request_errors",
-            "Requests answered with an error, by HTTP status",
+            "Requests answered with an error, by HTTP status (the gateway's own errors and "
+            "the engines' error responses passed through, code engine_error)",
             ["pool", "status", "code"],
+            registry=r,
+        )
+        self.responses = Counter(
+            "kvroute_responses",
+            "Responses sent to clients by status class (2xx, 4xx, 5xx): the SLO's denominator",
+            ["pool", "code"],
             registry=r,
         )
         self.prompt_tokens = Counter(

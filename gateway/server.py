@@ -557,12 +557,22 @@ def build_app(gw: Gateway) -> web.Application:
     return app
 
 
+#: the client API, whose responses are counted (probes, scrapes and admin calls are not traffic)
+_API_PATHS = ("/v1/", "/generate")
+
+
 def _middleware(gw: Gateway) -> Any:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         rid = request.headers.get("x-request-id", "")
         request[REQUEST_ID] = rid if _REQUEST_ID.match(rid) else new_request_id()
         request[POOL] = ""
+        response = await _answer(request, handler)
+        if request.path.startswith(_API_PATHS):
+            gw.metrics.responses.labels(request[POOL], f"{response.status // 100}xx").inc()
+        return response
+
+    async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except ApiError as exc:

@@ -299,6 +299,8 @@ def test_ready_with_every_worker_down_and_the_request_gets_the_gateways_503(
 
         assert wait_for(answered_503, timeout=10) is not None
         assert metric(gw, "kvroute_pool_healthy_workers") == 0.0
+        # the 503s are the error SLO's numerator
+        assert (metric(gw, "kvroute_responses_total", code="5xx") or 0) >= 1
         status, ready = get(gw + "/ready")
         assert status == 200, ready
         assert json.loads(ready)["detail"] == "ready (0 of 1 workers healthy)"
@@ -306,3 +308,32 @@ def test_ready_with_every_worker_down_and_the_request_gets_the_gateways_503(
         stack.start_gateway(1)
         assert wait_for(lambda: get(stack.gateway_urls[1] + "/ready")[0] == 200, 15) is not None
         assert wait_for(lambda: get(stack.gateway_urls[1] + "/health")[0] == 200, 1) is not None
+
+
+# -- errors the engine returns count as errors ---------------------------------------------------
+
+
+def test_engine_errors_count_in_the_request_error_metric(tmp_path: Path) -> None:
+    """An error the engine answers (here the simulator's 400 for ``echo``) reaches the client
+    as it is and counts in kvroute_request_errors_total (code engine_error); every API
+    response counts in kvroute_responses_total by status class (the SLO's denominator)."""
+    with Stack(StackConfig(workers=1, speedup=100, log_dir=tmp_path)) as stack:
+        gw = stack.gateway_urls[0]
+        assert complete(gw, "fine " * 20) == 200
+        body = json.dumps({"model": MODEL, "prompt": "x " * 20, "max_tokens": 1, "echo": True})
+        req = urllib.request.Request(
+            gw + "/v1/completions", data=body.encode(), headers={"content-type": "application/json"}
+        )
+        try:
+            urllib.request.urlopen(req, timeout=30).close()
+            raise AssertionError("the simulator accepted echo")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 400
+            assert "echo" in json.loads(exc.read())["error"]["message"]
+        errors = metric(gw, "kvroute_request_errors_total", status="400", code="engine_error")
+        assert errors == 1.0
+        assert metric(gw, "kvroute_responses_total", pool=MODEL, code="4xx") == 1.0
+        assert metric(gw, "kvroute_responses_total", pool=MODEL, code="2xx") == 1.0
+        get(gw + "/metrics")  # scrapes and probes are not traffic
+        get(gw + "/ready")
+        assert metric(gw, "kvroute_responses_total") == 2.0
