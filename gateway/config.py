@@ -28,6 +28,9 @@ class ServerSettings:
     max_body_bytes: int = 32 * 1024 * 1024
     #: seconds to let in-flight requests finish on SIGTERM
     shutdown_grace: float = 10.0
+    #: serve /metrics on this port (same host) and not on the API port; 0: on the API port.
+    #: /metrics takes no key: a port of its own lets a NetworkPolicy admit only Prometheus
+    metrics_port: int = 0
 
 
 @dataclass
@@ -177,3 +180,5 @@ class GatewayConfig:
             raise ConfigError("redis.url is empty and no pool has static_workers: no workers")
         if self.server.workers < 1:
             raise ConfigError("server.workers: must be >= 1")
+        if self.server.metrics_port and self.server.metrics_port == self.server.port:
+            raise ConfigError("server.metrics_port: must differ from server.port (or be 0)")

@@ -44,7 +44,7 @@ from gateway.requests import ClientRequest, Kind, parse_body
 from gateway.routing.index import ShadowIndex
 from gateway.tokenization import Tokenizer
 
-__all__ = ["Gateway", "build_app"]
+__all__ = ["Gateway", "build_app", "build_metrics_app"]
 
 
 #: How often each worker's /health is probed (each on its own, never waiting for others).
@@ -539,7 +539,8 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_get("/v1/models", gw.models)
     app.router.add_get("/health", gw.health)
     app.router.add_get("/ready", gw.readiness)
-    app.router.add_get("/metrics", gw.metrics_endpoint)
+    if not gw.config.server.metrics_port:
+        app.router.add_get("/metrics", gw.metrics_endpoint)
     app.router.add_post("/debug/route", gw.debug_route)
     app.router.add_get("/workers", gw.workers)
     app.router.add_get("/debug/index", gw.debug_index)
@@ -559,6 +560,13 @@ def build_app(gw: Gateway) -> web.Application:
 
 #: the client API, whose responses are counted (probes, scrapes and admin calls are not traffic)
 _API_PATHS = ("/v1/", "/generate")
+
+
+def build_metrics_app(gw: Gateway) -> web.Application:
+    """/metrics alone, for ``server.metrics_port`` (it shares the gateway's state)."""
+    app = web.Application()
+    app.router.add_get("/metrics", gw.metrics_endpoint)
+    return app
 
 
 def _middleware(gw: Gateway) -> Any:

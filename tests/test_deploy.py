@@ -55,6 +55,10 @@ K8S_VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 # Labels every Prometheus target carries (Prometheus Operator relabelling), besides a metric's own.
 TARGET_LABELS = {"namespace", "pod", "instance", "job", "service", "endpoint", "container"}
+#: ... and the one the chart's ServiceMonitors add to every target (the up/absent alerts)
+COMPONENT_LABEL = "kvroute_component"
+#: Series Prometheus itself writes for every target.
+PROMETHEUS_SERIES: dict[str, set[str]] = {"up": {COMPONENT_LABEL}}
 
 
 # -- helm --------------------------------------------------------------------------------------
@@ -310,6 +314,10 @@ def test_prometheus_operator_objects(rendered: dict[str, list[dict[str, Any]]]) 
         names = {p["name"] for p in svc["spec"]["ports"]}
         for ep in sm["spec"]["endpoints"]:
             assert ep["port"] in names and ep["path"] == "/metrics"
+            # every target carries its component (the alerts' up/absent rules select on it)
+            (relabel,) = ep["relabelings"]
+            assert relabel["targetLabel"] == COMPONENT_LABEL
+            assert relabel["replacement"] in {"gateway", "agent", "engine"}
         assert sm["metadata"]["labels"]["release"] == "prometheus"
     (rule,) = by_kind(docs, "PrometheusRule")
     assert rule["spec"] == yaml.safe_load(ALERTS.read_text()), (
@@ -444,7 +452,7 @@ def test_schema_follows_the_code() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     cfg = schema["properties"]["gateway"]["properties"]["config"]["properties"]
     chart_owned = {
-        "server": {"host", "port", "workers"},
+        "server": {"host", "port", "workers", "metrics_port"},
         "proxy": {"upstream_api_key"},
         "index": {"hash_seed"},
         "redis": {"url", "tls_ca_file", "password"},
@@ -662,6 +670,22 @@ def test_gateway_config_loads(
         assert cfg.auth.admin_key == "ci-admin-key"
         assert cfg.pools[0].cost.prefill_a == pytest.approx(1e-6)
         assert cfg.server.workers == 2 and cfg.index.speculative_ttl == 2.5
+        # /metrics on a port of its own: declared, in the Service, scraped there, and admitted
+        # by the NetworkPolicy from metricsFrom only
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert cfg.server.metrics_port == ports["metrics"] == 9090
+        svc = find(docs, "Service", f"{RELEASE}-kvroute-gateway")
+        assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "metrics"}
+        sm = find(docs, "ServiceMonitor", f"{RELEASE}-kvroute-gateway")
+        assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
+        np = find(docs, "NetworkPolicy", f"{RELEASE}-kvroute-gateway")
+        rules = {r["ports"][0]["port"]: r["from"] for r in np["spec"]["ingress"]}
+        assert rules["metrics"] == [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+        ]
+        assert rules["metrics"][0] not in rules["http"]
+    else:
+        assert cfg.server.metrics_port == 0  # /metrics on the API port
     # Redis: the password from its Secret (never in the URL), the CA file where it is mounted
     url = urlsplit(cfg.redis.url)
     assert url.scheme in ("redis", "rediss") and url.hostname and not url.password
@@ -878,7 +902,7 @@ def exported() -> dict[str, set[str]]:
     gm = GatewayMetrics()
     gw = registry_metrics(gm.registry)
     assert gm.names() <= set(gw) | {n for n in gm.names() if n.endswith("_created")}
-    return {**gw, **registry_metrics(AgentMetrics().registry)}
+    return {**gw, **registry_metrics(AgentMetrics().registry), **PROMETHEUS_SERIES}
 
 
 def test_promql_parser() -> None:

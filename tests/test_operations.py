@@ -337,3 +337,23 @@ def test_engine_errors_count_in_the_request_error_metric(tmp_path: Path) -> None
         get(gw + "/metrics")  # scrapes and probes are not traffic
         get(gw + "/ready")
         assert metric(gw, "kvroute_responses_total") == 2.0
+
+
+# -- /metrics on a port of its own ---------------------------------------------------------------
+
+
+def test_metrics_port_serves_metrics_apart_from_the_api(tmp_path: Path) -> None:
+    """server.metrics_port: /metrics (which takes no key) answers there and no longer on the
+    API port, which keeps requiring its key."""
+    port = free_port()
+    settings = {"server": {"metrics_port": port}, "auth": {"api_keys": [{"key": "k1"}]}}
+    with Stack(
+        StackConfig(workers=1, speedup=100, gateway_settings=settings, log_dir=tmp_path)
+    ) as stack:
+        gw = stack.gateway_urls[0]
+        status, body = get(f"http://127.0.0.1:{port}/metrics")
+        assert status == 200 and b"kvroute_redis_connected 1.0" in body
+        assert get(gw + "/metrics")[0] == 404
+        assert get(gw + "/v1/models")[0] == 401
+        assert get(gw + "/v1/models", "k1")[0] == 200
+        assert get(gw + "/ready")[0] == 200

@@ -298,3 +298,8 @@ looks like a number is quoted by toYaml, so it never matches.
 {{- define "kvroute.pyyamlFloats" -}}
 {{- regexReplaceAll "(?m)^(\\s*(?:[^\\s#:]+:\\s+|-\\s+)+)(-?[0-9]+)e([-+][0-9]+)$" . "${1}${2}.0e${3}" -}}
 {{- end -}}
+
+{{/* The gateway container port Prometheus scrapes: its own when gateway.metricsPort is set. */}}
+{{- define "kvroute.gatewayMetricsPortName" -}}
+{{- if .Values.gateway.metricsPort -}}metrics{{- else -}}http{{- end -}}
+{{- end -}}
