@@ -1011,6 +1011,101 @@ def test_alert_rules_are_well_formed() -> None:
         assert any(wanted in n for n in names), wanted
 
 
+# -- alert rule unit tests (promtool) ----------------------------------------------------------
+
+ALERT_TESTS = ALERTS.with_name("alerts_test.yaml")
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    binary = ROOT / ".venv" / "bin" / "promtool"
+    path = str(binary) if binary.exists() else shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool is missing: run scripts/setup (it calls scripts/install-promtool)")
+    return path
+
+
+def run_alert_tests(promtool: str, tmp_path: Path, tests: dict[str, Any]) -> str:
+    """``promtool test rules`` on ``tests`` with each expected alert's static description
+    taken from alerts.yaml (the test file spells out only the templated summary)."""
+    rules = {r["alert"]: r for r in alert_rules() if "alert" in r}
+    for case in tests["tests"]:
+        for t in case.get("alert_rule_test", []):
+            for exp in t.get("exp_alerts") or []:
+                description = rules[t["alertname"]]["annotations"]["description"]
+                assert "{{" not in description, "descriptions are static text"
+                exp.setdefault("exp_annotations", {})["description"] = description
+    shutil.copy(ALERTS, tmp_path / "alerts.yaml")
+    (tmp_path / "alerts_test.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    r = subprocess.run(
+        [promtool, "test", "rules", str(tmp_path / "alerts_test.yaml")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    return "" if r.returncode == 0 else r.stdout + r.stderr
+
+
+def test_alert_rules_pass_promtool_check(promtool: str) -> None:
+    r = subprocess.run(
+        [promtool, "check", "rules", str(ALERTS)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_alert_rule_unit_tests(promtool: str, tmp_path: Path) -> None:
+    failures = run_alert_tests(promtool, tmp_path, yaml.safe_load(ALERT_TESTS.read_text()))
+    assert not failures, failures
+
+
+def test_alert_rule_unit_tests_fail_on_a_wrong_expectation(promtool: str, tmp_path: Path) -> None:
+    """The negative control: an alert expected that does not fire fails the run."""
+    tests = yaml.safe_load(ALERT_TESTS.read_text())
+    healthy = next(
+        c
+        for c in tests["tests"]
+        for t in c.get("alert_rule_test", [])
+        if t["alertname"] == "KvrouteErrorBudgetBurnFast" and not t["exp_alerts"]
+    )
+    for t in healthy["alert_rule_test"]:
+        if t["alertname"] == "KvrouteErrorBudgetBurnFast":
+            t["exp_alerts"] = [
+                {"exp_labels": {"severity": "critical", "namespace": "ns", "pool": "p"}}
+            ]
+    assert "KvrouteErrorBudgetBurnFast" in run_alert_tests(promtool, tmp_path, tests)
+
+
+def test_alert_unit_tests_cover_the_slo_absent_and_seed_alerts() -> None:
+    """Each of these alerts is seen firing in at least one unit test, and the absent ones
+    also seen not firing."""
+    tests = yaml.safe_load(ALERT_TESTS.read_text())["tests"]
+    fired: set[str] = set()
+    quiet: set[str] = set()
+    for case in tests:
+        for t in case.get("alert_rule_test", []):
+            (fired if t.get("exp_alerts") else quiet).add(t["alertname"])
+    wanted = {
+        "KvrouteGatewayDown", "KvrouteGatewayAbsent", "KvrouteAgentDown", "KvrouteAgentsAbsent",
+        "KvrouteErrorBudgetBurnFast", "KvrouteErrorBudgetBurnSlow", "KvrouteTTFTBudgetBurnFast",
+        "KvrouteTTFTBudgetBurnSlow", "KvrouteWorkerSeedMismatch",
+    }  # fmt: skip
+    assert wanted <= fired, wanted - fired
+    assert {"KvrouteGatewayAbsent", "KvrouteAgentsAbsent", "KvrouteErrorBudgetBurnFast"} <= quiet
+    assert wanted <= {r["alert"] for r in alert_rules() if "alert" in r}
+
+
+def test_install_promtool_is_idempotent() -> None:
+    r = subprocess.run(
+        [str(ROOT / "scripts" / "install-promtool")],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    v = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "promtool"), "--version"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert v.stdout.startswith("promtool, version 2.")
+
+
 # -- the image ---------------------------------------------------------------------------------
 
 
