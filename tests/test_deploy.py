@@ -778,9 +778,18 @@ def test_agent_arguments_and_event_ports(
             "hwm",
             "max_queue_size",
             "topic",
+            *(["bind"] if kind == "sglang" else []),  # vLLM's KVEventsConfig has no bind
         }
-        events_port = int(re.fullmatch(r"tcp://\*:(\d+)", kv["endpoint"]).group(1))  # type: ignore[union-attr]
-        replay_port = int(re.fullmatch(r"tcp://\*:(\d+)", kv["replay_endpoint"]).group(1))  # type: ignore[union-attr]
+        # KV events (prompt token ids) stay in the pod: the replay ROUTER (which always binds
+        # what it is given) and SGLang's PUB (bind: true) on loopback; vLLM binds its PUB only
+        # on a wildcard, so that port is declared and the NetworkPolicy admits nobody to it
+        ev = re.fullmatch(r"tcp://(\*|127\.0\.0\.1):(\d+)", kv["endpoint"])
+        replay = re.fullmatch(r"tcp://127\.0\.0\.1:(\d+)", kv["replay_endpoint"])
+        assert ev and replay, kv
+        assert ev.group(1) == ("*" if kind == "vllm" else "127.0.0.1")
+        if kind == "sglang":
+            assert kv["bind"] is True
+        events_port, replay_port = int(ev.group(2)), int(replay.group(1))
         http_port = int(engine_flag(eargs, "--port") or 0)
         gpus = engine["resources"]["limits"]["nvidia.com/gpu"]
         assert gpus == engine["resources"]["requests"]["nvidia.com/gpu"] == tp * dp
@@ -801,12 +810,20 @@ def test_agent_arguments_and_event_ports(
         assert acfg.engine.block_size == (int(engine_block) if engine_block else None)
         assert urlsplit(acfg.engine.url).port == http_port
         assert urlsplit(acfg.engine.url).hostname == "127.0.0.1"
-        # every rank's ports are declared on the engine container, as the agent computes them
-        declared = {p["containerPort"] for p in engine["ports"]}
+        # every rank's wildcard-bound port is declared on the engine container (as the agent
+        # computes it) and no loopback-bound one is
+        declared = {p["containerPort"] for p in engine["ports"]} - {http_port}
+        wildcard = {acfg.engine.events} if kind == "vllm" else set()
         for r in range(dp):
             for ep in (acfg.engine.events, acfg.engine.replay):
                 assert ep is not None
-                assert int(endpoint_for_rank(ep, r).rsplit(":", 1)[1]) in declared
+                port = int(endpoint_for_rank(ep, r).rsplit(":", 1)[1])
+                assert (port in declared) == (ep in wildcard), (ep, declared)
+        # ... and the NetworkPolicy (on by default) admits nobody to an event port
+        if by_kind(docs, "NetworkPolicy"):
+            np = find(docs, "NetworkPolicy", deploy["metadata"]["name"])
+            admitted = {p["port"] for rule in np["spec"]["ingress"] for p in rule["ports"]}
+            assert admitted <= {"http", "agent-metrics"}, admitted
         # identity: pod name and pod IP from the downward API
         assert acfg.worker_id == FAKE_FIELDS["metadata.name"]
         assert acfg.worker_url == f"http://{FAKE_FIELDS['status.podIP']}:{http_port}"
@@ -1009,6 +1026,27 @@ def test_alert_rules_are_well_formed() -> None:
         "Heartbeats",
     ):
         assert any(wanted in n for n in names), wanted
+
+
+def test_network_policies_are_on_by_default(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The defaults close the KV event ports and the engines' API to everything but the
+    gateway; agent metrics stay scrapable."""
+    docs = rendered["default"]
+    policies = {np["metadata"]["name"]: np for np in by_kind(docs, "NetworkPolicy")}
+    assert {
+        f"{RELEASE}-kvroute-gateway",
+        f"{RELEASE}-kvroute-qwen",
+        f"{RELEASE}-kvroute-redis",
+    } <= set(policies)
+    rules = policies[f"{RELEASE}-kvroute-qwen"]["spec"]["ingress"]
+    by_port = {r["ports"][0]["port"]: r.get("from") for r in rules}
+    assert by_port == {
+        "http": [{"podSelector": {"matchLabels": {
+            "app.kubernetes.io/name": "kvroute", "app.kubernetes.io/instance": RELEASE,
+            "app.kubernetes.io/component": "gateway",
+        }}}],
+        "agent-metrics": None,  # metricsFrom empty: anyone may scrape the agent
+    }  # fmt: skip
 
 
 # -- alert rule unit tests (promtool) ----------------------------------------------------------
