@@ -26,8 +26,10 @@ class ServerSettings:
     #: processes sharing the port (SO_REUSEPORT); each is an independent replica
     workers: int = 1
     max_body_bytes: int = 32 * 1024 * 1024
-    #: seconds to let in-flight requests finish on SIGTERM
-    shutdown_grace: float = 10.0
+    #: drain on SIGTERM: stop accepting connections at once, let requests and streams in
+    #: flight finish for up to this many seconds, then cut what is left and exit (keep the
+    #: pod's terminationGracePeriodSeconds above it plus the preStop pause)
+    shutdown_grace: float = 120.0
     #: serve /metrics on this port (same host) and not on the API port; 0: on the API port.
     #: /metrics takes no key: a port of its own lets a NetworkPolicy admit only Prometheus
     metrics_port: int = 0

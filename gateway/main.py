@@ -144,7 +144,13 @@ async def serve(
     )
     try:
         await done.wait()
+        log.info(
+            "draining: no new connections; requests in flight may finish for up to %gs",
+            cfg.server.shutdown_grace,
+        )
     finally:
+        # closes the listening sockets, waits for the handlers up to shutdown_grace, then
+        # cancels what is left (aiohttp's graceful shutdown)
         await runner.cleanup()
         if metrics_runner is not None:
             await metrics_runner.cleanup()

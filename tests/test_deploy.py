@@ -400,6 +400,16 @@ TEMPLATE_ERRORS: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("API key without a key", {"auth": {"apiKeys": [{"name": "a"}]}}, "set key or secretKeyRef"),
     (
+        "grace shorter than the drain",
+        {"gateway": {"terminationGracePeriodSeconds": 60}},
+        "would kill gateways that are still draining",
+    ),
+    (
+        "drain longer than the grace",
+        {"gateway": {"config": {"server": {"shutdown_grace": 300}}}},
+        "would kill gateways that are still draining",
+    ),
+    (
         "CA without rediss://",
         {
             "redis": {
@@ -420,7 +430,9 @@ def render_with(
 ) -> subprocess.CompletedProcess[str]:
     f = tmp_path / "values.yaml"
     f.write_text(json.dumps(values))  # JSON is YAML, without YAML 1.1's n/no/off booleans
-    return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(f))
+    # with the required secrets, so that the failure is the one the values provoke
+    args = ("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *REQUIRED_SECRETS)
+    return helm(*args, "-f", str(f))
 
 
 @pytest.mark.parametrize(("why", "values"), SCHEMA_ERRORS, ids=[w for w, _ in SCHEMA_ERRORS])

@@ -13,9 +13,14 @@ Live processes on loopback (Redis, simulated workers, agents, gateways) as in pr
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import signal
+import socket
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -357,3 +362,71 @@ def test_metrics_port_serves_metrics_apart_from_the_api(tmp_path: Path) -> None:
         assert get(gw + "/v1/models")[0] == 401
         assert get(gw + "/v1/models", "k1")[0] == 200
         assert get(gw + "/ready")[0] == 200
+
+
+# -- graceful drain on SIGTERM --------------------------------------------------------------------
+
+
+def stream_tokens(url: str, max_tokens: int, first: threading.Event, out: list[str]) -> None:
+    """Stream a completion, appending each SSE data line to ``out`` (``first`` set on the
+    first one); an ``error`` entry if the stream breaks."""
+    body = {"model": MODEL, "prompt": "drain " * 20, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            for line in resp:
+                if line.startswith(b"data:"):
+                    out.append(line.decode().strip())
+                    first.set()
+    except (OSError, http.client.HTTPException) as exc:
+        out.append(f"error: {exc!r}")
+    finally:
+        first.set()
+
+
+def refuses_connections(url: str) -> bool:
+    port = urllib.parse.urlsplit(url).port
+    assert port is not None
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_sigterm_drains_streams_in_flight_and_refuses_new_connections(tmp_path: Path) -> None:
+    """SIGTERM with a stream under way: the gateway stops accepting connections at once, the
+    stream runs to its end ([DONE], every token), then the process exits 0. With a drain
+    bound shorter than the stream (shutdown_grace 1 s), the stream is cut and the process
+    exits within the bound."""
+    with Stack(StackConfig(workers=1, speedup=1, log_dir=tmp_path)) as stack:
+        stack.fault(0, "slow", factor=4)  # ~30 ms a token: 120 tokens take ~3.5 s
+        stack.start_gateway(1, server={"shutdown_grace": 1})
+        for g, max_tokens in ((0, 120), (1, 400)):
+            url, gateway = stack.gateway_urls[g], stack.gateways[g]
+            first, out = threading.Event(), list[str]()
+            t = threading.Thread(target=stream_tokens, args=(url, max_tokens, first, out))
+            t.start()
+            assert first.wait(30) and not out[0].startswith("error"), out
+            signalled = time.monotonic()
+            gateway.signal(signal.SIGTERM)
+            assert wait_for(lambda url=url: refuses_connections(url), 5) is not None
+            refused_while_streaming = t.is_alive()
+            t.join(60)
+            assert gateway.proc is not None
+            rc = gateway.proc.wait(30)
+            exited_after = time.monotonic() - signalled
+            assert rc == 0, gateway.tail()
+            if g == 0:  # drained: every token, then [DONE], after the listener had closed
+                assert refused_while_streaming, "the stream ended before the listener closed"
+                assert out[-1] == "data: [DONE]", out[-3:]
+                assert len(out) == max_tokens + 1, len(out)
+                assert any("draining" in ln for ln in gateway.log_lines())
+            else:  # cut at the bound: no [DONE], exit soon after the 1 s grace
+                assert "data: [DONE]" not in out and len(out) < max_tokens, len(out)
+                assert exited_after < 10, exited_after
