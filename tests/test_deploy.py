@@ -805,6 +805,8 @@ def test_agent_arguments_and_event_ports(
         http_port = int(engine_flag(eargs, "--port") or 0)
         gpus = engine["resources"]["limits"]["nvidia.com/gpu"]
         assert gpus == engine["resources"]["requests"]["nvidia.com/gpu"] == tp * dp
+        # CPU and memory requested too: the scheduler must not pack engines without them
+        assert {"cpu", "memory"} <= set(engine["resources"]["requests"])
 
         # the agent: through its real parser and configuration
         env = container_env(docs, agent)
@@ -1038,6 +1040,18 @@ def test_alert_rules_are_well_formed() -> None:
         "Heartbeats",
     ):
         assert any(wanted in n for n in names), wanted
+
+
+def test_tokenizer_downloads_can_be_cached_on_a_volume(helm: Any, tmp_path: Path) -> None:
+    pvc = {"persistentVolumeClaim": {"claimName": "tokenizers"}}
+    r = render_with(helm, tmp_path, {"gateway": {"tokenizers": {"download": {"cache": pvc}}}})
+    assert r.returncode == 0, r.stderr
+    deploy, _ = gateway_parts([d for d in yaml.safe_load_all(r.stdout) if d])
+    spec = deploy["spec"]["template"]["spec"]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "tokenizers"]
+    assert vol == {"name": "tokenizers", **pvc}
+    (init,) = spec["initContainers"]  # still fetched: once per repo@revision (.complete)
+    assert any(m["name"] == "tokenizers" for m in init["volumeMounts"])
 
 
 def test_network_policies_are_on_by_default(rendered: dict[str, list[dict[str, Any]]]) -> None:
