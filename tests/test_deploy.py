@@ -1201,8 +1201,54 @@ def test_dockerfile() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["gateway"]["podSecurityContext"]["runAsUser"] == uid
     assert values["poolDefaults"]["workers"]["agent"]["securityContext"]["runAsUser"] == uid
-    version = re.search(r"python:(\d+)\.(\d+)", text)
-    assert version and (int(version.group(1)), int(version.group(2))) >= (3, 11)
+    # the image runs the Python the tests run on
+    version = re.search(r"ARG PYTHON_IMAGE=python:(\d+)\.(\d+)", text)
+    assert version, "the base image is an official python image"
+    shipped = (int(version.group(1)), int(version.group(2)))
+    assert shipped == sys.version_info[:2], f"image Python {shipped}, tests {sys.version_info[:2]}"
+    assert project["tool"]["mypy"]["python_version"] == "{}.{}".format(*shipped)
+    # dependencies: exactly the locked files, hashes checked
+    (install,) = [ln for ln in lines if ln.startswith("RUN ") and "requirements.lock" in ln]
+    assert "--require-hashes" in install and "-r requirements.lock" in install
+
+
+def locked() -> dict[str, str]:
+    """requirements.lock: normalised name -> pinned version (every entry with a sha256)."""
+    text = (ROOT / "requirements.lock").read_text()
+    entries = re.findall(
+        r"^([A-Za-z0-9_.-]+)==(\S+) \\\n\s+--hash=sha256:([0-9a-f]{64})$", text, re.M
+    )
+    pins = [ln for ln in text.splitlines() if ln and not ln.startswith((" ", "#"))]
+    assert len(entries) == len(pins) > 0, "every pin has a sha256 hash"
+    return {re.sub(r"[-_.]+", "-", n).lower(): v for n, v, _ in entries}
+
+
+def test_lock_file_pins_what_the_tests_run() -> None:
+    """Every runtime dependency is locked at a version its specifier allows, and the tests
+    run on those very versions (scripts/setup installs the lock as constraints)."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    pins = locked()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for spec in project["project"]["dependencies"]:
+        req = Requirement(spec)
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert name in pins, (
+            f"{req.name} is not in requirements.lock: run scripts/lock-requirements"
+        )
+        assert req.specifier.contains(pins[name]), f"{name}=={pins[name]} does not satisfy {spec}"
+    drift = {}
+    for name, version in pins.items():
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        if installed != version:
+            drift[name] = (version, installed)
+    assert not drift, f"tests run other versions than the image ships (lock, installed): {drift}"
 
 
 # -- the tokenizer download step ---------------------------------------------------------------
