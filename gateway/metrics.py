@@ -263,7 +263,7 @@ class GatewayMetrics:
             MultiProcessCollector(source)
         if workers is None:
             return generate_latest(source)
-        return generate_latest(_OnlyWorkers(source, frozenset(workers)))  # type: ignore[arg-type]
+        return generate_latest(_OnlyWorkers(source, frozenset(workers)))
 
 
 class _OnlyWorkers:
