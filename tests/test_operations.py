@@ -430,3 +430,62 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_connections(tmp_path: 
             else:  # cut at the bound: no [DONE], exit soon after the 1 s grace
                 assert "data: [DONE]" not in out and len(out) < max_tokens, len(out)
                 assert exited_after < 10, exited_after
+
+
+# -- the registry's refusals (no I/O) --------------------------------------------------------------
+
+
+def test_registry_refuses_by_reason_counts_once_and_drops_a_worker_that_turns_bad() -> None:
+    """A worker already routed to whose agent comes back with another seed is removed; each
+    refusal is reported once per change (not per heartbeat); a refusal whose registration
+    lapses is forgotten (bounded); no fingerprint is accepted but listed as unverified."""
+    from types import SimpleNamespace
+
+    from gateway.config import CircuitSettings
+    from gateway.registry import Registry
+    from gateway.routing.policy import make_policy
+    from gateway.routing.router import Router
+
+    router = Router(make_policy("round_robin"), 16)
+    pool = SimpleNamespace(settings=SimpleNamespace(model="m", aliases=[]), router=router)
+    reasons: list[str] = []
+    ours = seed_fingerprint("seed")
+    reg = Registry(
+        [pool],  # type: ignore[list-item]
+        CircuitSettings(),
+        ["127.0.0.0/8"],
+        seed_fingerprint=ours,
+        on_reject=reasons.append,
+    )
+
+    def info(wid: str, fp: str = ours, model: str = "m", host: str = "127.0.0.1") -> WorkerInfo:
+        return WorkerInfo(wid, f"http://{host}:9000", model, seed_fingerprint=fp)
+
+    added, _ = reg.sync({"w0": info("w0"), "old": info("old", fp="")})
+    assert sorted(added) == ["old", "w0"] and reg.unverified == {"old"}
+    _, removed = reg.sync({"w0": info("w0", fp=seed_fingerprint("other")), "old": info("old")})
+    assert removed == ["w0"] and "w0" not in reg.workers and reasons == ["seed_mismatch"]
+    assert "hash seed differs" in reg.rejected["w0"] and reg.unverified == set()
+    for _ in range(3):  # heartbeats of the same bad registration: not counted again
+        reg.sync({"w0": info("w0", fp=seed_fingerprint("other")), "old": info("old")})
+    assert reasons == ["seed_mismatch"]
+    reg.sync({"w0": info("w0", model="nope"), "x": info("x", host="203.0.113.9")})
+    assert reasons == ["seed_mismatch", "unknown_model", "upstream_not_allowed"]
+    reg.sync({})
+    assert reg.rejected == {} and reg.workers == {}
+
+
+def test_metrics_port_must_differ_from_the_api_port() -> None:
+    import pytest
+
+    from gateway.config import GatewayConfig, PoolSettings, ServerSettings
+    from gateway.contract.settings import ConfigError
+
+    pools = [PoolSettings(model="m", tokenizer="/t")]
+    cfg = GatewayConfig(pools=pools, redis=GatewayConfig().redis, server=ServerSettings())
+    cfg.redis.url = "redis://127.0.0.1:6379/0"
+    cfg.server.metrics_port = cfg.server.port
+    with pytest.raises(ConfigError, match="metrics_port"):
+        cfg.validate()
+    cfg.server.metrics_port = cfg.server.port + 1
+    cfg.validate()
