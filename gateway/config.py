@@ -78,6 +78,9 @@ class IndexSettings:
     #: the deployment's secret block-key seed; must equal the agents' --hash-seed
     hash_seed: str = "kvroute"
     speculative_ttl: float = 5.0
+    #: ask each new worker's engine to tokenize a probe text (``/tokenize``) and refuse the
+    #: worker when its ids differ from the gateway's (gateway/tokencheck.py)
+    verify_engine_tokenizer: bool = True
 
 
 @dataclass

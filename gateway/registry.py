@@ -103,6 +103,9 @@ class Registry:
         self.on_reject = on_reject
         #: accepted workers whose registration carries no seed fingerprint (older agents)
         self.unverified: set[str] = set()
+        #: refusals found after a registration was accepted (its engine's tokenizer differs),
+        #: per worker: (the agent run's epoch, reason code, why); a new run is judged afresh
+        self._vetoed: dict[str, tuple[int, str, str]] = {}
 
     # -- pools ------------------------------------------------------------------------------
 
@@ -130,6 +133,8 @@ class Registry:
             removed.append(wid)
         for wid in [w for w in self.rejected if w not in infos]:
             del self.rejected[wid]  # lapsed: bounded by the registrations in Redis
+        for wid in [w for w in self._vetoed if w not in infos]:
+            del self._vetoed[wid]
         for wid, info in infos.items():
             entry = self.workers.get(wid)
             if entry is not None and entry.static:
@@ -167,8 +172,26 @@ class Registry:
         }  # fmt: skip
         return added, removed
 
+    def veto(self, wid: str, epoch: int, reason: str, why: str) -> bool:
+        """Refuse a registered worker for the rest of its agent run ``epoch`` (a check made
+        after it was accepted failed); True if it was removed."""
+        entry = self.workers.get(wid)
+        if entry is None or entry.static or entry.info is None or entry.info.epoch != epoch:
+            return False
+        self._vetoed[wid] = (entry.info.epoch, reason, why)
+        log.warning("refusing worker %s (%s): %s", wid, entry.url, why)
+        if self.on_reject is not None:
+            self.on_reject(reason)
+        self.rejected[wid] = why
+        self._remove(wid)
+        self._set_engine_block_sizes()
+        return True
+
     def _refusal(self, info: WorkerInfo, pool: Pool | None) -> tuple[str, str] | None:
         """(reason code, explanation) when ``info`` must not be routed to; None: accept."""
+        vetoed = self._vetoed.get(info.worker_id)
+        if vetoed is not None and vetoed[0] == info.epoch:
+            return vetoed[1], vetoed[2]
         if pool is None:
             return "unknown_model", f"serves model {info.model!r}, which no pool serves"
         theirs, ours = info.seed_fingerprint, self.seed_fingerprint

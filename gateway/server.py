@@ -42,6 +42,7 @@ from gateway.proxy import REQUEST_ID, Proxy, new_request_id
 from gateway.registry import Registry
 from gateway.requests import ClientRequest, Kind, parse_body
 from gateway.routing.index import ShadowIndex
+from gateway.tokencheck import check_engine_tokenizer
 from gateway.tokenization import Tokenizer
 
 __all__ = ["Gateway", "build_app", "build_metrics_app"]
@@ -49,6 +50,9 @@ __all__ = ["Gateway", "build_app", "build_metrics_app"]
 
 #: How often each worker's /health is probed (each on its own, never waiting for others).
 PROBE_INTERVAL_S = 0.5
+#: A new worker's engine tokenizer check: attempts while its engine does not answer, apart.
+TOKENIZER_CHECK_ATTEMPTS = 5
+TOKENIZER_CHECK_RETRY_S = 3.0
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -112,6 +116,7 @@ class Gateway:
             for k in cfg.auth.api_keys
         }
         self._tasks: list[asyncio.Task[None]] = []
+        self._checks: set[asyncio.Task[None]] = set()  # engine tokenizer checks under way
         self._probe_session: aiohttp.ClientSession | None = None
         self.clock = time.monotonic
 
@@ -129,9 +134,9 @@ class Gateway:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._checks]:
             t.cancel()
-        for t in self._tasks:
+        for t in [*self._tasks, *self._checks]:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         if self.consumer is not None:
@@ -173,6 +178,32 @@ class Gateway:
             self._forget_worker_metrics(w)
         if added or removed:
             log.info("workers added %s removed %s", added, removed)
+        if self.config.index.verify_engine_tokenizer:
+            for w in added:
+                task = asyncio.create_task(self._check_tokenizer(w), name=f"tokenizer-{w}")
+                self._checks.add(task)
+                task.add_done_callback(self._checks.discard)
+
+    async def _check_tokenizer(self, wid: str) -> None:
+        """Refuse ``wid`` for this agent run if its engine tokenizes otherwise than we do
+        (gateway/tokencheck.py). An engine still starting is asked again a few times."""
+        entry = self.registry.workers.get(wid)
+        if entry is None or entry.info is None or self._probe_session is None:
+            return
+        epoch, pool = entry.info.epoch, entry.pool
+        for attempt in range(TOKENIZER_CHECK_ATTEMPTS):
+            result = await check_engine_tokenizer(
+                self._probe_session, entry.url, pool.settings.model, pool.tokenizer
+            )
+            if result.ok is not None or not result.detail.startswith("/tokenize failed"):
+                break
+            if attempt + 1 < TOKENIZER_CHECK_ATTEMPTS:
+                await asyncio.sleep(TOKENIZER_CHECK_RETRY_S)
+        if result.ok is False:
+            if self.registry.veto(wid, epoch, "tokenizer_mismatch", result.detail):
+                self._forget_worker_metrics(wid)
+        elif result.ok is None:
+            log.info("worker %s: engine tokenizer not verified (%s)", wid, result.detail)
 
     async def _tick_loop(self) -> None:
         while True:

@@ -28,7 +28,7 @@ from gateway.contract.fingerprint import seed_fingerprint
 from gateway.contract.redis_bus import RedisBus
 from gateway.contract.wire import WorkerInfo
 from loadtest.harness import ChildProcess, free_port
-from loadtest.stack import ADMIN_KEY, Stack, StackConfig, wait_for
+from loadtest.stack import ADMIN_KEY, Stack, StackConfig, port_block, wait_for
 
 MODEL = "sim-model"
 
@@ -489,3 +489,82 @@ def test_metrics_port_must_differ_from_the_api_port() -> None:
         cfg.validate()
     cfg.server.metrics_port = cfg.server.port + 1
     cfg.validate()
+
+
+# -- an engine with another tokenizer --------------------------------------------------------------
+
+
+def test_worker_whose_engine_tokenizes_otherwise_is_refused(tmp_path: Path) -> None:
+    """A second engine loaded another tokenizer (here the same one lower-casing its input, as
+    a different revision would differ): its /tokenize ids for the probe text differ from the
+    gateway's, so the worker is refused for this agent run, counted and logged, while the
+    stack's own worker (same tokenizer files) passes the same check and keeps serving."""
+    from gateway.tokenization import bundled_test_tokenizer
+
+    spec = json.loads(bundled_test_tokenizer().read_text())
+    spec["normalizer"] = {"type": "Lowercase"}
+    other = tmp_path / "other-tokenizer.json"
+    other.write_text(json.dumps(spec))
+    with Stack(StackConfig(workers=1, speedup=100, log_dir=tmp_path / "stack")) as stack:
+        gw = stack.gateway_urls[0]
+        base, admin_port = port_block(3), free_port()
+        sim = stack.add_process(
+            ChildProcess.kvroute(
+                ["sim", "--base-port", str(base), "--admin-port", str(admin_port),
+                 "--model", MODEL, "--tokenizer", str(other), "--speedup", "100"],
+                "sim-other-tokenizer", stack.log_dir,
+            )
+        )  # fmt: skip
+        sim.wait_for_log("sim ready", timeout=60)
+        stack.add_process(
+            ChildProcess.kvroute(
+                ["agent", "--engine", "vllm", "--engine-url", f"http://127.0.0.1:{base}",
+                 "--redis", stack.redis_url, "--worker-id", "other-tokenizer", "--model", MODEL,
+                 "--hash-seed", stack.config.hash_seed, "--block-size", "16"],
+                "agent-other-tokenizer", stack.log_dir,
+            )
+        )  # fmt: skip
+
+        def refused() -> bool:
+            rejected = admin(stack, "/workers")["rejected_registrations"]
+            return "other-tokenizer" in rejected  # type: ignore[operator]
+
+        assert wait_for(refused, timeout=30) is not None, stack.gateways[0].tail()
+        why = admin(stack, "/workers")["rejected_registrations"]["other-tokenizer"]  # type: ignore[index]
+        assert "tokenizes a probe text" in why
+        assert metric(gw, "kvroute_worker_rejected_total", reason="tokenizer_mismatch") == 1.0
+        ids = [w["worker_id"] for w in admin(stack, "/workers")["workers"]]  # type: ignore[union-attr,index]
+        assert ids == ["worker-0"]
+        # the stack's worker passed the check (it ran: neither refused nor left unverified)
+        lines = stack.gateways[0].log_lines()
+        assert not any("worker-0" in ln and ("refus" in ln or "verified" in ln) for ln in lines)
+        for i in range(6):  # nothing is routed to the refused worker
+            assert complete(gw, f"after the refusal {i} " * 10) == 200
+        assert metric(gw, "kvroute_requests_total", worker="other-tokenizer") is None
+
+
+async def test_engine_without_tokenize_is_unverified_not_refused(tmp_path: Path) -> None:
+    """An engine that has no /tokenize (SGLang) or does not answer: inconclusive (None)."""
+    import aiohttp
+    from aiohttp import web
+
+    from gateway.tokencheck import check_engine_tokenizer
+    from gateway.tokenization import Tokenizer, bundled_test_tokenizer
+
+    tok = Tokenizer.load(bundled_test_tokenizer())
+    app = web.Application()
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            missing = await check_engine_tokenizer(session, f"http://127.0.0.1:{port}", "m", tok)
+            assert missing.ok is None and "404" in missing.detail
+            dead = await check_engine_tokenizer(
+                session, f"http://127.0.0.1:{free_port()}", "m", tok
+            )
+            assert dead.ok is None and dead.detail.startswith("/tokenize failed")
+    finally:
+        await runner.cleanup()
+        tok.close()
