@@ -1150,7 +1150,7 @@ def test_alert_unit_tests_cover_the_slo_absent_and_seed_alerts() -> None:
     wanted = {
         "KvrouteGatewayDown", "KvrouteGatewayAbsent", "KvrouteAgentDown", "KvrouteAgentsAbsent",
         "KvrouteErrorBudgetBurnFast", "KvrouteErrorBudgetBurnSlow", "KvrouteTTFTBudgetBurnFast",
-        "KvrouteTTFTBudgetBurnSlow", "KvrouteWorkerSeedMismatch",
+        "KvrouteTTFTBudgetBurnSlow", "KvrouteWorkerSeedMismatch", "KvrouteWorkerTokenizerMismatch",
     }  # fmt: skip
     assert wanted <= fired, wanted - fired
     assert {"KvrouteGatewayAbsent", "KvrouteAgentsAbsent", "KvrouteErrorBudgetBurnFast"} <= quiet
