@@ -7,7 +7,12 @@
 #
 # The Helm chart in deploy/helm/kvroute runs it with a read-only root file system as UID 10001.
 
-ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+# The Python the test suite runs on (3.11: pyproject's mypy/ruff targets, scripts/setup's
+# .venv). Pin by digest for reproducible builds, e.g.
+#   --build-arg PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:<digest>
+# (`docker buildx imagetools inspect python:3.11-slim-bookworm` prints it; no registry was
+# reachable where this file was written, so no digest is filled in here).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---- build: install kvroute and its dependencies into a virtualenv -------------------------
 FROM ${PYTHON_IMAGE} AS build
@@ -16,10 +21,11 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/kvroute
 WORKDIR /src
-# Dependencies first (a layer that survives source edits), then the package itself.
+# Dependencies first (a layer that survives source edits): exactly the locked files
+# (scripts/lock-requirements), hashes checked; then the package itself.
+COPY requirements.lock ./
+RUN /opt/kvroute/bin/pip install --require-hashes --no-deps --only-binary=:all: -r requirements.lock
 COPY pyproject.toml README.md ./
-RUN /opt/kvroute/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/requirements.txt \
-    && /opt/kvroute/bin/pip install -r /tmp/requirements.txt
 COPY gateway/ gateway/
 COPY worker_agent/ worker_agent/
 COPY loadtest/ loadtest/

@@ -26,8 +26,13 @@ class ServerSettings:
     #: processes sharing the port (SO_REUSEPORT); each is an independent replica
     workers: int = 1
     max_body_bytes: int = 32 * 1024 * 1024
-    #: seconds to let in-flight requests finish on SIGTERM
-    shutdown_grace: float = 10.0
+    #: drain on SIGTERM: stop accepting connections at once, let requests and streams in
+    #: flight finish for up to this many seconds, then cut what is left and exit (keep the
+    #: pod's terminationGracePeriodSeconds above it plus the preStop pause)
+    shutdown_grace: float = 120.0
+    #: serve /metrics on this port (same host) and not on the API port; 0: on the API port.
+    #: /metrics takes no key: a port of its own lets a NetworkPolicy admit only Prometheus
+    metrics_port: int = 0
 
 
 @dataclass
@@ -86,6 +91,9 @@ class IndexSettings:
     #: the deployment's secret block-key seed; must equal the agents' --hash-seed
     hash_seed: str = "kvroute"
     speculative_ttl: float = 5.0
+    #: ask each new worker's engine to tokenize a probe text (``/tokenize``) and refuse the
+    #: worker when its ids differ from the gateway's (gateway/tokencheck.py)
+    verify_engine_tokenizer: bool = True
 
 
 @dataclass
@@ -227,3 +235,5 @@ class GatewayConfig:
             raise ConfigError("request_log.sample: must be between 0 and 1")
         if rl.queue_size < 1 or rl.max_bytes < 0 or rl.backups < 0:
             raise ConfigError("request_log: queue_size >= 1, max_bytes and backups >= 0")
+        if self.server.metrics_port and self.server.metrics_port == self.server.port:
+            raise ConfigError("server.metrics_port: must differ from server.port (or be 0)")

@@ -132,7 +132,7 @@ async def serve(
     """Run one gateway process until SIGTERM/SIGINT (or ``stop`` is set)."""
     from aiohttp import web
 
-    from gateway.server import Gateway, build_app
+    from gateway.server import Gateway, build_app, build_metrics_app
 
     gw = Gateway(cfg, bus=make_bus(cfg))
     app = build_app(gw)
@@ -147,6 +147,13 @@ async def serve(
         runner, cfg.server.host, cfg.server.port, reuse_port=reuse_port or None, backlog=1024
     )
     await site.start()
+    metrics_runner: web.AppRunner | None = None
+    if cfg.server.metrics_port:
+        metrics_runner = web.AppRunner(build_metrics_app(gw), access_log=None)
+        await metrics_runner.setup()
+        await web.TCPSite(
+            metrics_runner, cfg.server.host, cfg.server.metrics_port, reuse_port=reuse_port or None
+        ).start()
     done = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -158,8 +165,16 @@ async def serve(
     )
     try:
         await done.wait()
+        log.info(
+            "draining: no new connections; requests in flight may finish for up to %gs",
+            cfg.server.shutdown_grace,
+        )
     finally:
+        # closes the listening sockets, waits for the handlers up to shutdown_grace, then
+        # cancels what is left (aiohttp's graceful shutdown)
         await runner.cleanup()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
 
 
 def _supervise(cfg: GatewayConfig) -> int:

@@ -13,13 +13,20 @@ With ``--workers N`` every process is a replica and the metrics are aggregated b
 prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set by the parent):
 counters and histograms add up; gauges that describe shared state (index size, circuit
 state, lag) take the worst replica's value.
+
+A worker that leaves must leave /metrics too (a dashboard of gone workers, an alert on a
+circuit that no longer exists). A single process removes its label sets; in multiprocess
+mode prometheus_client cannot (every process's file keeps a label set forever), so the
+exposition leaves out every series whose ``worker`` is not one the serving process knows.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Collection, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 __all__ = ["GatewayMetrics"]
@@ -41,8 +48,15 @@ class GatewayMetrics:
         )
         self.errors = Counter(
             "kvroute_request_errors",
-            "Requests answered with an error, by HTTP status",
+            "Requests answered with an error, by HTTP status (the gateway's own errors and "
+            "the engines' error responses passed through, code engine_error)",
             ["pool", "status", "code"],
+            registry=r,
+        )
+        self.responses = Counter(
+            "kvroute_responses",
+            "Responses sent to clients by status class (2xx, 4xx, 5xx): the SLO's denominator",
+            ["pool", "code"],
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -139,6 +153,19 @@ class GatewayMetrics:
             "Workers of the pool that may receive requests",
             ["pool"],
             multiprocess_mode="min",
+            registry=r,
+        )
+        self.worker_rejected = Counter(
+            "kvroute_worker_rejected",
+            "Worker registrations refused, by reason (seed_mismatch, unknown_model, "
+            "upstream_not_allowed)",
+            ["reason"],
+            registry=r,
+        )
+        self.unverified_seed = Gauge(
+            "kvroute_workers_unverified_seed",
+            "Workers accepted whose registration has no seed fingerprint (older agents)",
+            multiprocess_mode="max",
             registry=r,
         )
         self.decision = Histogram(
@@ -242,9 +269,33 @@ class GatewayMetrics:
                 out.update(family.name + s for s in ("_bucket", "_sum", "_count"))
         return out
 
-    def exposition(self) -> bytes:
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            agg = CollectorRegistry()
-            MultiProcessCollector(agg)
-            return generate_latest(agg)
-        return generate_latest(self.registry)
+    @staticmethod
+    def multiprocess() -> bool:
+        return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+    def exposition(self, workers: Collection[str] | None = None) -> bytes:
+        """The text exposition; with ``workers``, series of any other worker are left out."""
+        source: CollectorRegistry = self.registry
+        if self.multiprocess():
+            source = CollectorRegistry()
+            MultiProcessCollector(source)
+        if workers is None:
+            return generate_latest(source)
+        return generate_latest(_OnlyWorkers(source, frozenset(workers)))
+
+
+class _OnlyWorkers:
+    """A collector view of ``source`` without the series of workers not in ``workers``."""
+
+    def __init__(self, source: CollectorRegistry, workers: frozenset[str]) -> None:
+        self.source = source
+        self.workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [
+                s for s in family.samples if s.labels.get("worker", "") in self.workers
+                or "worker" not in s.labels
+            ]  # fmt: skip
+            yield out

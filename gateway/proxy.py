@@ -337,7 +337,7 @@ class Proxy:
                 m.prompt_tokens.labels(pool.name, wid).inc(prep.prompt_tokens)
                 m.matched_tokens.labels(pool.name, wid).inc(decision.matched_tokens)
                 if resp.status >= 400:
-                    return await self._error_response(resp, first, wid)
+                    return await self._error_response(resp, first, pool, wid)
                 headers = self._client_headers(resp, decision, request, prefill)
                 if creq.stream and resp.headers.get("content-type", "").startswith(
                     "text/event-stream"
@@ -401,11 +401,13 @@ class Proxy:
             chunks.append(chunk)
 
     async def _error_response(
-        self, resp: aiohttp.ClientResponse, first: bytes, wid: str
+        self, resp: aiohttp.ClientResponse, first: bytes, pool: Pool, wid: str
     ) -> web.Response:
         data = first + await self._rest(resp, wid)
         if resp.status < 500:
             self.registry.on_success(wid)  # the worker is fine; the request was not
+            # passed through as it is, but an error all the same (5xx become an ApiError)
+            self.metrics.errors.labels(pool.name, str(resp.status), "engine_error").inc()
             return web.Response(status=resp.status, body=data, content_type="application/json")
         self.registry.on_failure(wid, self.clock(), fatal=False)
         detail = data[:500].decode("utf-8", "replace")

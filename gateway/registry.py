@@ -4,7 +4,10 @@ Workers come from the agents' registrations on the event bus (via the consumer) 
 the pools' optional static lists. A registration is accepted only if its URL is an http(s)
 URL whose host is in the configured allow-list (when one is set): a bad entry in Redis must
 not be able to point the gateway at an arbitrary address. Upstream URLs come only from here,
-never from a client request.
+never from a client request. A registration whose seed fingerprint differs from the
+gateway's is refused too: that agent keys blocks with another hash seed, so routing to it on
+cache affinity would be blind (docs/protocol.md, section 6). Every refusal is logged once
+and reported (``on_reject``) with a reason code for the metric.
 
 Health is a circuit breaker per worker (passive: request outcomes) plus, for static workers,
 an active probe result. Only unhealthy workers are looked at per request, so computing a
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -92,7 +95,12 @@ def _check_rank(info: WorkerInfo) -> str | None:
 
 class Registry:
     def __init__(
-        self, pools: list[Pool], circuit: CircuitSettings, allowed_upstreams: list[str]
+        self,
+        pools: list[Pool],
+        circuit: CircuitSettings,
+        allowed_upstreams: list[str],
+        seed_fingerprint: str = "",
+        on_reject: Callable[[str], None] | None = None,
     ) -> None:
         self.pools = pools
         self._by_model: dict[str, Pool] = {}
@@ -104,6 +112,16 @@ class Registry:
         self.workers: dict[str, WorkerEntry] = {}
         self._unhealthy: set[str] = set()  # workers whose circuit is not closed or probe failed
         self.rejected: dict[str, str] = {}  # registrations refused, and why
+        #: this gateway's seed fingerprint; empty: registrations are not checked
+        self.seed_fingerprint = seed_fingerprint
+        #: called with a reason code (seed_mismatch, unknown_model, upstream_not_allowed)
+        #: each time a worker's registration becomes refused
+        self.on_reject = on_reject
+        #: accepted workers whose registration carries no seed fingerprint (older agents)
+        self.unverified: set[str] = set()
+        #: refusals found after a registration was accepted (its engine's tokenizer differs),
+        #: per worker: (the agent run's epoch, reason code, why); a new run is judged afresh
+        self._vetoed: dict[str, tuple[int, str, str]] = {}
 
     # -- pools ------------------------------------------------------------------------------
 
@@ -129,23 +147,30 @@ class Registry:
         for wid in [w for w, e in self.workers.items() if not e.static and w not in infos]:
             self._remove(wid)
             removed.append(wid)
+        for wid in [w for w in self.rejected if w not in infos]:
+            del self.rejected[wid]  # lapsed: bounded by the registrations in Redis
+        for wid in [w for w in self._vetoed if w not in infos]:
+            del self._vetoed[wid]
         for wid, info in infos.items():
             entry = self.workers.get(wid)
             if entry is not None and entry.static:
                 continue
             pool = self._pool_of(info)
-            if pool is None:
-                self.rejected[wid] = f"serves model {info.model!r}, which no pool serves"
-                continue
-            why = check_upstream_url(info.url, self.allowed) or _check_rank(info)
-            if why is not None:
+            refusal = self._refusal(info, pool)
+            if refusal is not None:
+                reason, why = refusal
                 if self.rejected.get(wid) != why:
-                    log.warning("ignoring registration of %s (%s): %s", wid, info.url, why)
+                    log.warning(
+                        "refusing the registration of worker %s (%s): %s", wid, info.url, why
+                    )
+                    if self.on_reject is not None:
+                        self.on_reject(reason)
                 self.rejected[wid] = why
                 if entry is not None:
                     self._remove(wid)
                     removed.append(wid)
                 continue
+            assert pool is not None
             self.rejected.pop(wid, None)
             if entry is not None and (
                 entry.url != info.url or entry.pool is not pool or entry.role != info.role
@@ -159,7 +184,48 @@ class Registry:
             else:
                 entry.info = info
         self._set_engine_block_sizes()
+        self.unverified = {
+            w for w, e in self.workers.items()
+            if self.seed_fingerprint and e.info is not None and not e.info.seed_fingerprint
+        }  # fmt: skip
         return added, removed
+
+    def veto(self, wid: str, epoch: int, reason: str, why: str) -> bool:
+        """Refuse a registered worker for the rest of its agent run ``epoch`` (a check made
+        after it was accepted failed); True if it was removed."""
+        entry = self.workers.get(wid)
+        if entry is None or entry.static or entry.info is None or entry.info.epoch != epoch:
+            return False
+        self._vetoed[wid] = (entry.info.epoch, reason, why)
+        log.warning("refusing worker %s (%s): %s", wid, entry.url, why)
+        if self.on_reject is not None:
+            self.on_reject(reason)
+        self.rejected[wid] = why
+        self._remove(wid)
+        self._set_engine_block_sizes()
+        return True
+
+    def _refusal(self, info: WorkerInfo, pool: Pool | None) -> tuple[str, str] | None:
+        """(reason code, explanation) when ``info`` must not be routed to; None: accept."""
+        vetoed = self._vetoed.get(info.worker_id)
+        if vetoed is not None and vetoed[0] == info.epoch:
+            return vetoed[1], vetoed[2]
+        if pool is None:
+            return "unknown_model", f"serves model {info.model!r}, which no pool serves"
+        theirs, ours = info.seed_fingerprint, self.seed_fingerprint
+        if ours and theirs and theirs != ours:
+            return "seed_mismatch", (
+                f"its hash seed differs from this gateway's (seed fingerprint {theirs}, "
+                f"ours {ours}), so none of its block keys can match: give the agent the "
+                "gateway's index.hash_seed (--hash-seed / KVROUTE_AGENT_HASH_SEED)"
+            )
+        why = check_upstream_url(info.url, self.allowed)
+        if why is not None:
+            return "upstream_not_allowed", why
+        why = _check_rank(info)
+        if why is not None:
+            return "bad_topology", why
+        return None
 
     def _set_engine_block_sizes(self) -> None:
         """Each pool's engine block size, from its workers' registrations: the engines reuse

@@ -37,6 +37,7 @@ from gateway.circuit import CircuitState
 from gateway.config import ApiKey, GatewayConfig
 from gateway.consumer import Consumer
 from gateway.contract.bus import EventBus
+from gateway.contract.fingerprint import seed_fingerprint
 from gateway.contract.wire import key_digest
 from gateway.errors import ApiError, ErrorShape, anthropic_error_body, error_body
 from gateway.limits import Admission, TokenBucket
@@ -48,13 +49,17 @@ from gateway.request_log import RequestLog
 from gateway.requests import ClientRequest, Kind, parse_body
 from gateway.routing.index import ShadowIndex
 from gateway.session import SessionKeys
+from gateway.tokencheck import check_engine_tokenizer
 from gateway.tokenization import Tokenizer
 
-__all__ = ["Gateway", "build_app"]
+__all__ = ["Gateway", "build_app", "build_metrics_app"]
 
 
 #: How often each worker's /health is probed (each on its own, never waiting for others).
 PROBE_INTERVAL_S = 0.5
+#: A new worker's engine tokenizer check: attempts while its engine does not answer, apart.
+TOKENIZER_CHECK_ATTEMPTS = 5
+TOKENIZER_CHECK_RETRY_S = 3.0
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -97,7 +102,13 @@ class Gateway:
             )
             for p in cfg.pools
         ]
-        self.registry = Registry(self.pools, cfg.circuit, cfg.security.allowed_upstreams)
+        self.registry = Registry(
+            self.pools,
+            cfg.circuit,
+            cfg.security.allowed_upstreams,
+            seed_fingerprint=seed_fingerprint(cfg.index.hash_seed),
+            on_reject=lambda reason: self.metrics.worker_rejected.labels(reason).inc(),
+        )
         self.registry.add_static()
         self.proxy = Proxy(cfg.proxy, self.registry, self.metrics)
         if cfg.request_log.path:
@@ -118,6 +129,7 @@ class Gateway:
             [cfg.session_header, *cfg.session_headers], cfg.session_fields
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self._checks: set[asyncio.Task[None]] = set()  # engine tokenizer checks under way
         self._probe_session: aiohttp.ClientSession | None = None
         self.clock = time.monotonic
 
@@ -137,9 +149,9 @@ class Gateway:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._checks]:
             t.cancel()
-        for t in self._tasks:
+        for t in [*self._tasks, *self._checks]:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         if self.consumer is not None:
@@ -155,12 +167,18 @@ class Gateway:
             p.tokenizer.close()
 
     def ready(self) -> tuple[bool, str]:
+        """Whether this process can answer: configuration loaded and index bootstrapped.
+
+        Worker health is deliberately not part of it: with no healthy worker a ready gateway
+        still answers (an OpenAI-shaped 503 with Retry-After), while an unready one would
+        drop out of its Service (connection errors instead), stall rollouts and
+        ``helm --wait``, and block node drains through its PodDisruptionBudget. Worker
+        health is ``kvroute_pool_healthy_workers`` and its alert."""
         if self.consumer is not None and not self.consumer.synced:
             return False, "index not bootstrapped yet"
         now = self.clock()
-        if not any(self.registry.healthy(w, now) for w in self.registry.workers):
-            return False, "no healthy worker"
-        return True, "ready"
+        healthy = sum(1 for w in self.registry.workers if self.registry.healthy(w, now))
+        return True, f"ready ({healthy} of {len(self.registry.workers)} workers healthy)"
 
     # -- background -------------------------------------------------------------------------
 
@@ -182,6 +200,32 @@ class Gateway:
             self._forget_worker_metrics(w)
         if added or removed:
             log.info("workers added %s removed %s", added, removed)
+        if self.config.index.verify_engine_tokenizer:
+            for w in added:
+                task = asyncio.create_task(self._check_tokenizer(w), name=f"tokenizer-{w}")
+                self._checks.add(task)
+                task.add_done_callback(self._checks.discard)
+
+    async def _check_tokenizer(self, wid: str) -> None:
+        """Refuse ``wid`` for this agent run if its engine tokenizes otherwise than we do
+        (gateway/tokencheck.py). An engine still starting is asked again a few times."""
+        entry = self.registry.workers.get(wid)
+        if entry is None or entry.info is None or self._probe_session is None:
+            return
+        epoch, pool = entry.info.epoch, entry.pool
+        for attempt in range(TOKENIZER_CHECK_ATTEMPTS):
+            result = await check_engine_tokenizer(
+                self._probe_session, entry.url, pool.settings.model, pool.tokenizer
+            )
+            if result.ok is not None or not result.detail.startswith("/tokenize failed"):
+                break
+            if attempt + 1 < TOKENIZER_CHECK_ATTEMPTS:
+                await asyncio.sleep(TOKENIZER_CHECK_RETRY_S)
+        if result.ok is False:
+            if self.registry.veto(wid, epoch, "tokenizer_mismatch", result.detail):
+                self._forget_worker_metrics(wid)
+        elif result.ok is None:
+            log.info("worker %s: engine tokenizer not verified (%s)", wid, result.detail)
 
     async def _tick_loop(self) -> None:
         while True:
@@ -253,6 +297,7 @@ class Gateway:
             if total:
                 m.tokenizer_cache_hits.labels(p.name).set(st.token_hits / total)
         m.queued.set(self.admission.queued)
+        m.unverified_seed.set(len(self.registry.unverified))
         st_i = self.index.stats
         m.orphans.set(st_i.orphan_stores)
         if self.consumer is not None:
@@ -263,7 +308,11 @@ class Gateway:
             m.gaps.set(getattr(cs.apply, "gaps", 0))
 
     def _forget_worker_metrics(self, wid: str) -> None:
+        """Drop a departed worker's label sets (multiprocess mode cannot: the exposition
+        leaves out workers the registry no longer has, which covers both modes)."""
         m = self.metrics
+        if m.multiprocess():
+            return
         for gauge in (m.circuit, m.healthy, m.index_blocks, m.kv_usage, m.worker_info):
             for labels in list(gauge._metrics):  # the registry keeps label sets forever otherwise
                 if len(labels) > 1 and labels[1] == wid:
@@ -474,7 +523,9 @@ class Gateway:
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         self._update_gauges(self.clock())
         return web.Response(
-            body=self.metrics.exposition(), content_type="text/plain", charset="utf-8"
+            body=self.metrics.exposition(workers=self.registry.workers),
+            content_type="text/plain",
+            charset="utf-8",
         )
 
     async def debug_route(self, request: web.Request) -> web.Response:
@@ -633,7 +684,8 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_get("/v1/models", gw.models)
     app.router.add_get("/health", gw.health)
     app.router.add_get("/ready", gw.readiness)
-    app.router.add_get("/metrics", gw.metrics_endpoint)
+    if not gw.config.server.metrics_port:
+        app.router.add_get("/metrics", gw.metrics_endpoint)
     app.router.add_post("/debug/route", gw.debug_route)
     app.router.add_get("/workers", gw.workers)
     app.router.add_get("/debug/index", gw.debug_index)
@@ -651,6 +703,17 @@ def build_app(gw: Gateway) -> web.Application:
     return app
 
 
+#: the client API, whose responses are counted (probes, scrapes and admin calls are not traffic)
+_API_PATHS = ("/v1/", "/generate")
+
+
+def build_metrics_app(gw: Gateway) -> web.Application:
+    """/metrics alone, for ``server.metrics_port`` (it shares the gateway's state)."""
+    app = web.Application()
+    app.router.add_get("/metrics", gw.metrics_endpoint)
+    return app
+
+
 def _middleware(gw: Gateway) -> Any:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -658,6 +721,12 @@ def _middleware(gw: Gateway) -> Any:
         request[REQUEST_ID] = rid if _REQUEST_ID.match(rid) else new_request_id()
         request[POOL] = ""
         request[ERRORS] = "openai"
+        response = await _answer(request, handler)
+        if request.path.startswith(_API_PATHS):
+            gw.metrics.responses.labels(request[POOL], f"{response.status // 100}xx").inc()
+        return response
+
+    async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except ApiError as exc:

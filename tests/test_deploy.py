@@ -55,6 +55,10 @@ K8S_VERSIONS = ("1.27.0", kubernetes_validate.utils.latest_version())
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 # Labels every Prometheus target carries (Prometheus Operator relabelling), besides a metric's own.
 TARGET_LABELS = {"namespace", "pod", "instance", "job", "service", "endpoint", "container"}
+#: ... and the one the chart's ServiceMonitors add to every target (the up/absent alerts)
+COMPONENT_LABEL = "kvroute_component"
+#: Series Prometheus itself writes for every target.
+PROMETHEUS_SERIES: dict[str, set[str]] = {"up": {COMPONENT_LABEL}}
 
 
 # -- helm --------------------------------------------------------------------------------------
@@ -82,8 +86,12 @@ def helm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     yield run
 
 
+#: The chart's defaults need only the secrets it never generates (the render fails without).
+REQUIRED_SECRETS = ["--set", "index.hashSeed=ci-default-seed", "--set", "redis.bundled.password=ci-default-redis"]  # fmt: skip
+
+
 def values_args(name: str) -> list[str]:
-    return [] if name == "default" else ["-f", str(CHART / "ci" / name)]
+    return REQUIRED_SECRETS if name == "default" else ["-f", str(CHART / "ci" / name)]
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +314,10 @@ def test_prometheus_operator_objects(rendered: dict[str, list[dict[str, Any]]]) 
         names = {p["name"] for p in svc["spec"]["ports"]}
         for ep in sm["spec"]["endpoints"]:
             assert ep["port"] in names and ep["path"] == "/metrics"
+            # every target carries its component (the alerts' up/absent rules select on it)
+            (relabel,) = ep["relabelings"]
+            assert relabel["targetLabel"] == COMPONENT_LABEL
+            assert relabel["replacement"] in {"gateway", "agent", "engine"}
         assert sm["metadata"]["labels"]["release"] == "prometheus"
     (rule,) = by_kind(docs, "PrometheusRule")
     assert rule["spec"] == yaml.safe_load(ALERTS.read_text()), (
@@ -388,6 +400,16 @@ TEMPLATE_ERRORS: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("API key without a key", {"auth": {"apiKeys": [{"name": "a"}]}}, "set key or secretKeyRef"),
     (
+        "grace shorter than the drain",
+        {"gateway": {"terminationGracePeriodSeconds": 60}},
+        "would kill gateways that are still draining",
+    ),
+    (
+        "drain longer than the grace",
+        {"gateway": {"config": {"server": {"shutdown_grace": 300}}}},
+        "would kill gateways that are still draining",
+    ),
+    (
         "CA without rediss://",
         {
             "redis": {
@@ -408,7 +430,9 @@ def render_with(
 ) -> subprocess.CompletedProcess[str]:
     f = tmp_path / "values.yaml"
     f.write_text(json.dumps(values))  # JSON is YAML, without YAML 1.1's n/no/off booleans
-    return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(f))
+    # with the required secrets, so that the failure is the one the values provoke
+    args = ("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *REQUIRED_SECRETS)
+    return helm(*args, "-f", str(f))
 
 
 @pytest.mark.parametrize(("why", "values"), SCHEMA_ERRORS, ids=[w for w, _ in SCHEMA_ERRORS])
@@ -440,7 +464,7 @@ def test_schema_follows_the_code() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     cfg = schema["properties"]["gateway"]["properties"]["config"]["properties"]
     chart_owned = {
-        "server": {"host", "port", "workers"},
+        "server": {"host", "port", "workers", "metrics_port"},
         "proxy": {"upstream_api_key"},
         "index": {"hash_seed"},
         "redis": {"url", "tls_ca_file", "password"},
@@ -462,6 +486,106 @@ def test_schema_follows_the_code() -> None:
     assert pool["policy"]["enum"] == policy_names()
 
 
+# -- GitOps: deterministic renders, required shared secrets, rolling on a change --------------
+
+
+@pytest.mark.parametrize("values", RENDERS)
+def test_render_is_identical_twice(helm: Any, values: str) -> None:
+    """Argo CD and Flux render with ``helm template`` on every sync: nothing may differ."""
+    args = ("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *values_args(values))
+    first, second = helm(*args), helm(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+
+
+SECRET_REQUIRED: list[tuple[str, list[str], str]] = [
+    ("no hash seed", [], "index.hashSeed or index.hashSeedSecretRef is required"),
+    (
+        "no bundled Redis password",
+        ["--set", "index.hashSeed=s"],
+        "redis.bundled.password or redis.bundled.passwordSecretRef is required",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("why", "args", "message"), SECRET_REQUIRED, ids=[w for w, _, _ in SECRET_REQUIRED]
+)
+def test_shared_secrets_are_required_never_generated(
+    helm: Any, why: str, args: list[str], message: str
+) -> None:
+    r = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args)
+    assert r.returncode != 0, f"{why}: rendered anyway"
+    assert message in r.stderr, r.stderr
+    assert "never generates" in r.stderr  # the message says why, not only what
+
+
+def test_shared_secrets_by_reference_only(helm: Any) -> None:
+    """Both shared secrets from Secrets the user owns: the chart stores neither."""
+    r = helm(
+        "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+        "--set", "index.hashSeedSecretRef.name=idx", "--set", "index.hashSeedSecretRef.key=seed",
+        "--set", "redis.bundled.passwordSecretRef.name=rds",
+        "--set", "redis.bundled.passwordSecretRef.key=pw",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    assert not by_kind(docs, "Secret")
+    _, gw = gateway_parts(docs)
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") for e in gw["env"]}
+    assert env["KVROUTE_INDEX__HASH_SEED"] == {"name": "idx", "key": "seed"}
+    assert env["KVROUTE_REDIS__PASSWORD"] == {"name": "rds", "key": "pw"}
+    redis = find(docs, "Deployment", f"{RELEASE}-kvroute-redis")
+    (rc,) = redis["spec"]["template"]["spec"]["containers"]
+    assert rc["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "rds", "key": "pw"}
+
+
+def _checksums(helm: Any, *args: str) -> dict[str, str]:
+    """Each Deployment's pod-template checksum annotations, joined: what rolls its pods."""
+    r = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args)
+    assert r.returncode == 0, r.stderr
+    out = {}
+    for d in by_kind([d for d in yaml.safe_load_all(r.stdout) if d], "Deployment"):
+        ann = d["spec"]["template"]["metadata"].get("annotations", {})
+        sums = sorted(
+            f"{k}={v}"
+            for k, v in ann.items()
+            if k.startswith("checksum/secret") or k == "checksum/password"
+        )
+        out[d["metadata"]["labels"]["app.kubernetes.io/component"]] = " ".join(sums)
+    return out
+
+
+def test_a_secret_change_rolls_every_consumer(helm: Any) -> None:
+    base = ["--set", "index.hashSeed=seed-1", "--set", "redis.bundled.password=pw-1"]
+    before = _checksums(helm, *base)
+    assert set(before) == {"gateway", "worker", "redis"} and all(before.values())
+
+    def changed(*extra: str) -> set[str]:
+        after = _checksums(helm, *base, *extra)
+        return {c for c in before if after[c] != before[c]}
+
+    # the seed: gateways and agents (worker pods); Redis does not use it
+    assert changed("--set", "index.hashSeed=seed-2") == {"gateway", "worker"}
+    # the Redis password: every one of them
+    assert changed("--set", "redis.bundled.password=pw-2") == {"gateway", "worker", "redis"}
+    # a client key is the gateway's alone: GPU pods are not restarted for it
+    assert changed("--set", "auth.adminKey=admin-2") == {"gateway"}
+    # Secrets the chart only references: a secretsRevision bump rolls every consumer
+    refs = [
+        "--set", "index.hashSeedSecretRef.name=idx", "--set", "index.hashSeedSecretRef.key=seed",
+        "--set", "redis.bundled.passwordSecretRef.name=rds",
+        "--set", "redis.bundled.passwordSecretRef.key=pw",
+    ]  # fmt: skip
+    ref_before = _checksums(helm, *refs)
+    ref_after = _checksums(helm, *refs, "--set", "secretsRevision=rotated-1")
+    assert {c for c in ref_before if ref_after[c] != ref_before[c]} == {
+        "gateway",
+        "worker",
+        "redis",
+    }
+
+
 # -- no secrets outside Secrets ----------------------------------------------------------------
 
 KNOWN_SECRETS = {
@@ -476,7 +600,7 @@ def test_secrets_only_in_secrets(rendered: dict[str, list[dict[str, Any]]], valu
     secrets = list(KNOWN_SECRETS.get(values, []))
     for s in by_kind(docs, "Secret"):
         secrets += [base64.b64decode(v).decode() for v in s.get("data", {}).values()]
-    if values != "external-redis-tls-values.yaml":  # there every secret is the user's own
+    if values not in ("external-redis-tls-values.yaml", "sglang-values.yaml"):  # all referenced
         assert secrets, "a Redis password or a hash seed is in a Secret"
     for doc in docs:
         if doc["kind"] == "Secret":
@@ -558,6 +682,22 @@ def test_gateway_config_loads(
         assert cfg.auth.admin_key == "ci-admin-key"
         assert cfg.pools[0].cost.prefill_a == pytest.approx(1e-6)
         assert cfg.server.workers == 2 and cfg.index.speculative_ttl == 2.5
+        # /metrics on a port of its own: declared, in the Service, scraped there, and admitted
+        # by the NetworkPolicy from metricsFrom only
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert cfg.server.metrics_port == ports["metrics"] == 9090
+        svc = find(docs, "Service", f"{RELEASE}-kvroute-gateway")
+        assert {p["name"] for p in svc["spec"]["ports"]} == {"http", "metrics"}
+        sm = find(docs, "ServiceMonitor", f"{RELEASE}-kvroute-gateway")
+        assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
+        np = find(docs, "NetworkPolicy", f"{RELEASE}-kvroute-gateway")
+        rules = {r["ports"][0]["port"]: r["from"] for r in np["spec"]["ingress"]}
+        assert rules["metrics"] == [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+        ]
+        assert rules["metrics"][0] not in rules["http"]
+    else:
+        assert cfg.server.metrics_port == 0  # /metrics on the API port
     # Redis: the password from its Secret (never in the URL), the CA file where it is mounted
     url = urlsplit(cfg.redis.url)
     assert url.scheme in ("redis", "rediss") and url.hostname and not url.password
@@ -650,12 +790,23 @@ def test_agent_arguments_and_event_ports(
             "hwm",
             "max_queue_size",
             "topic",
+            *(["bind"] if kind == "sglang" else []),  # vLLM's KVEventsConfig has no bind
         }
-        events_port = int(re.fullmatch(r"tcp://\*:(\d+)", kv["endpoint"]).group(1))  # type: ignore[union-attr]
-        replay_port = int(re.fullmatch(r"tcp://\*:(\d+)", kv["replay_endpoint"]).group(1))  # type: ignore[union-attr]
+        # KV events (prompt token ids) stay in the pod: the replay ROUTER (which always binds
+        # what it is given) and SGLang's PUB (bind: true) on loopback; vLLM binds its PUB only
+        # on a wildcard, so that port is declared and the NetworkPolicy admits nobody to it
+        ev = re.fullmatch(r"tcp://(\*|127\.0\.0\.1):(\d+)", kv["endpoint"])
+        replay = re.fullmatch(r"tcp://127\.0\.0\.1:(\d+)", kv["replay_endpoint"])
+        assert ev and replay, kv
+        assert ev.group(1) == ("*" if kind == "vllm" else "127.0.0.1")
+        if kind == "sglang":
+            assert kv["bind"] is True
+        events_port, replay_port = int(ev.group(2)), int(replay.group(1))
         http_port = int(engine_flag(eargs, "--port") or 0)
         gpus = engine["resources"]["limits"]["nvidia.com/gpu"]
         assert gpus == engine["resources"]["requests"]["nvidia.com/gpu"] == tp * dp
+        # CPU and memory requested too: the scheduler must not pack engines without them
+        assert {"cpu", "memory"} <= set(engine["resources"]["requests"])
 
         # the agent: through its real parser and configuration
         env = container_env(docs, agent)
@@ -673,12 +824,20 @@ def test_agent_arguments_and_event_ports(
         assert acfg.engine.block_size == (int(engine_block) if engine_block else None)
         assert urlsplit(acfg.engine.url).port == http_port
         assert urlsplit(acfg.engine.url).hostname == "127.0.0.1"
-        # every rank's ports are declared on the engine container, as the agent computes them
-        declared = {p["containerPort"] for p in engine["ports"]}
+        # every rank's wildcard-bound port is declared on the engine container (as the agent
+        # computes it) and no loopback-bound one is
+        declared = {p["containerPort"] for p in engine["ports"]} - {http_port}
+        wildcard = {acfg.engine.events} if kind == "vllm" else set()
         for r in range(dp):
             for ep in (acfg.engine.events, acfg.engine.replay):
                 assert ep is not None
-                assert int(endpoint_for_rank(ep, r).rsplit(":", 1)[1]) in declared
+                port = int(endpoint_for_rank(ep, r).rsplit(":", 1)[1])
+                assert (port in declared) == (ep in wildcard), (ep, declared)
+        # ... and the NetworkPolicy (on by default) admits nobody to an event port
+        if by_kind(docs, "NetworkPolicy"):
+            np = find(docs, "NetworkPolicy", deploy["metadata"]["name"])
+            admitted = {p["port"] for rule in np["spec"]["ingress"] for p in rule["ports"]}
+            assert admitted <= {"http", "agent-metrics"}, admitted
         # identity: pod name and pod IP from the downward API
         assert acfg.worker_id == FAKE_FIELDS["metadata.name"]
         assert acfg.worker_url == f"http://{FAKE_FIELDS['status.podIP']}:{http_port}"
@@ -774,7 +933,7 @@ def exported() -> dict[str, set[str]]:
     gm = GatewayMetrics()
     gw = registry_metrics(gm.registry)
     assert gm.names() <= set(gw) | {n for n in gm.names() if n.endswith("_created")}
-    return {**gw, **registry_metrics(AgentMetrics().registry)}
+    return {**gw, **registry_metrics(AgentMetrics().registry), **PROMETHEUS_SERIES}
 
 
 def test_promql_parser() -> None:
@@ -883,6 +1042,134 @@ def test_alert_rules_are_well_formed() -> None:
         assert any(wanted in n for n in names), wanted
 
 
+def test_tokenizer_downloads_can_be_cached_on_a_volume(helm: Any, tmp_path: Path) -> None:
+    pvc = {"persistentVolumeClaim": {"claimName": "tokenizers"}}
+    r = render_with(helm, tmp_path, {"gateway": {"tokenizers": {"download": {"cache": pvc}}}})
+    assert r.returncode == 0, r.stderr
+    deploy, _ = gateway_parts([d for d in yaml.safe_load_all(r.stdout) if d])
+    spec = deploy["spec"]["template"]["spec"]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "tokenizers"]
+    assert vol == {"name": "tokenizers", **pvc}
+    (init,) = spec["initContainers"]  # still fetched: once per repo@revision (.complete)
+    assert any(m["name"] == "tokenizers" for m in init["volumeMounts"])
+
+
+def test_network_policies_are_on_by_default(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The defaults close the KV event ports and the engines' API to everything but the
+    gateway; agent metrics stay scrapable."""
+    docs = rendered["default"]
+    policies = {np["metadata"]["name"]: np for np in by_kind(docs, "NetworkPolicy")}
+    assert {
+        f"{RELEASE}-kvroute-gateway",
+        f"{RELEASE}-kvroute-qwen",
+        f"{RELEASE}-kvroute-redis",
+    } <= set(policies)
+    rules = policies[f"{RELEASE}-kvroute-qwen"]["spec"]["ingress"]
+    by_port = {r["ports"][0]["port"]: r.get("from") for r in rules}
+    assert by_port == {
+        "http": [{"podSelector": {"matchLabels": {
+            "app.kubernetes.io/name": "kvroute", "app.kubernetes.io/instance": RELEASE,
+            "app.kubernetes.io/component": "gateway",
+        }}}],
+        "agent-metrics": None,  # metricsFrom empty: anyone may scrape the agent
+    }  # fmt: skip
+
+
+# -- alert rule unit tests (promtool) ----------------------------------------------------------
+
+ALERT_TESTS = ALERTS.with_name("alerts_test.yaml")
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    binary = ROOT / ".venv" / "bin" / "promtool"
+    path = str(binary) if binary.exists() else shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool is missing: run scripts/setup (it calls scripts/install-promtool)")
+    return path
+
+
+def run_alert_tests(promtool: str, tmp_path: Path, tests: dict[str, Any]) -> str:
+    """``promtool test rules`` on ``tests`` with each expected alert's static description
+    taken from alerts.yaml (the test file spells out only the templated summary)."""
+    rules = {r["alert"]: r for r in alert_rules() if "alert" in r}
+    for case in tests["tests"]:
+        for t in case.get("alert_rule_test", []):
+            for exp in t.get("exp_alerts") or []:
+                description = rules[t["alertname"]]["annotations"]["description"]
+                assert "{{" not in description, "descriptions are static text"
+                exp.setdefault("exp_annotations", {})["description"] = description
+    shutil.copy(ALERTS, tmp_path / "alerts.yaml")
+    (tmp_path / "alerts_test.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    r = subprocess.run(
+        [promtool, "test", "rules", str(tmp_path / "alerts_test.yaml")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    return "" if r.returncode == 0 else r.stdout + r.stderr
+
+
+def test_alert_rules_pass_promtool_check(promtool: str) -> None:
+    r = subprocess.run(
+        [promtool, "check", "rules", str(ALERTS)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_alert_rule_unit_tests(promtool: str, tmp_path: Path) -> None:
+    failures = run_alert_tests(promtool, tmp_path, yaml.safe_load(ALERT_TESTS.read_text()))
+    assert not failures, failures
+
+
+def test_alert_rule_unit_tests_fail_on_a_wrong_expectation(promtool: str, tmp_path: Path) -> None:
+    """The negative control: an alert expected that does not fire fails the run."""
+    tests = yaml.safe_load(ALERT_TESTS.read_text())
+    healthy = next(
+        c
+        for c in tests["tests"]
+        for t in c.get("alert_rule_test", [])
+        if t["alertname"] == "KvrouteErrorBudgetBurnFast" and not t["exp_alerts"]
+    )
+    for t in healthy["alert_rule_test"]:
+        if t["alertname"] == "KvrouteErrorBudgetBurnFast":
+            t["exp_alerts"] = [
+                {"exp_labels": {"severity": "critical", "namespace": "ns", "pool": "p"}}
+            ]
+    assert "KvrouteErrorBudgetBurnFast" in run_alert_tests(promtool, tmp_path, tests)
+
+
+def test_alert_unit_tests_cover_the_slo_absent_and_seed_alerts() -> None:
+    """Each of these alerts is seen firing in at least one unit test, and the absent ones
+    also seen not firing."""
+    tests = yaml.safe_load(ALERT_TESTS.read_text())["tests"]
+    fired: set[str] = set()
+    quiet: set[str] = set()
+    for case in tests:
+        for t in case.get("alert_rule_test", []):
+            (fired if t.get("exp_alerts") else quiet).add(t["alertname"])
+    wanted = {
+        "KvrouteGatewayDown", "KvrouteGatewayAbsent", "KvrouteAgentDown", "KvrouteAgentsAbsent",
+        "KvrouteErrorBudgetBurnFast", "KvrouteErrorBudgetBurnSlow", "KvrouteTTFTBudgetBurnFast",
+        "KvrouteTTFTBudgetBurnSlow", "KvrouteWorkerSeedMismatch", "KvrouteWorkerTokenizerMismatch",
+    }  # fmt: skip
+    assert wanted <= fired, wanted - fired
+    assert {"KvrouteGatewayAbsent", "KvrouteAgentsAbsent", "KvrouteErrorBudgetBurnFast"} <= quiet
+    assert wanted <= {r["alert"] for r in alert_rules() if "alert" in r}
+
+
+def test_install_promtool_is_idempotent() -> None:
+    r = subprocess.run(
+        [str(ROOT / "scripts" / "install-promtool")],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    v = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "promtool"), "--version"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert v.stdout.startswith("promtool, version 2.")
+
+
 # -- the image ---------------------------------------------------------------------------------
 
 
@@ -914,8 +1201,54 @@ def test_dockerfile() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["gateway"]["podSecurityContext"]["runAsUser"] == uid
     assert values["poolDefaults"]["workers"]["agent"]["securityContext"]["runAsUser"] == uid
-    version = re.search(r"python:(\d+)\.(\d+)", text)
-    assert version and (int(version.group(1)), int(version.group(2))) >= (3, 11)
+    # the image runs the Python the tests run on
+    version = re.search(r"ARG PYTHON_IMAGE=python:(\d+)\.(\d+)", text)
+    assert version, "the base image is an official python image"
+    shipped = (int(version.group(1)), int(version.group(2)))
+    assert shipped == sys.version_info[:2], f"image Python {shipped}, tests {sys.version_info[:2]}"
+    assert project["tool"]["mypy"]["python_version"] == "{}.{}".format(*shipped)
+    # dependencies: exactly the locked files, hashes checked
+    (install,) = [ln for ln in lines if ln.startswith("RUN ") and "requirements.lock" in ln]
+    assert "--require-hashes" in install and "-r requirements.lock" in install
+
+
+def locked() -> dict[str, str]:
+    """requirements.lock: normalised name -> pinned version (every entry with a sha256)."""
+    text = (ROOT / "requirements.lock").read_text()
+    entries = re.findall(
+        r"^([A-Za-z0-9_.-]+)==(\S+) \\\n\s+--hash=sha256:([0-9a-f]{64})$", text, re.M
+    )
+    pins = [ln for ln in text.splitlines() if ln and not ln.startswith((" ", "#"))]
+    assert len(entries) == len(pins) > 0, "every pin has a sha256 hash"
+    return {re.sub(r"[-_.]+", "-", n).lower(): v for n, v, _ in entries}
+
+
+def test_lock_file_pins_what_the_tests_run() -> None:
+    """Every runtime dependency is locked at a version its specifier allows, and the tests
+    run on those very versions (scripts/setup installs the lock as constraints)."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    pins = locked()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for spec in project["project"]["dependencies"]:
+        req = Requirement(spec)
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert name in pins, (
+            f"{req.name} is not in requirements.lock: run scripts/lock-requirements"
+        )
+        assert req.specifier.contains(pins[name]), f"{name}=={pins[name]} does not satisfy {spec}"
+    drift = {}
+    for name, version in pins.items():
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        if installed != version:
+            drift[name] = (version, installed)
+    assert not drift, f"tests run other versions than the image ships (lock, installed): {drift}"
 
 
 # -- the tokenizer download step ---------------------------------------------------------------

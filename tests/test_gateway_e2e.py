@@ -474,7 +474,8 @@ def test_no_healthy_worker_is_503_with_retry_after(tmp_path: Path) -> None:
             assert status == 502 and time.monotonic() < deadline, (status, data)
         assert headers.get("Retry-After") == "1"
         assert json.loads(data)["error"]["code"] == "no_healthy_worker"
-        assert get(stack.gateway_urls[0] + "/ready")[0] == 503
+        # ready means "can answer" (this 503), not "has a healthy worker" (issue 15)
+        assert get(stack.gateway_urls[0] + "/ready")[0] == 200
 
 
 def test_api_keys_and_multiprocess_gateway(tmp_path: Path) -> None:

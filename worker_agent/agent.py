@@ -28,6 +28,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from gateway.contract.bus import BusError, EventBus, wait_event
+from gateway.contract.fingerprint import seed_fingerprint
 from gateway.contract.wire import Cleared, EngineReport, WorkerInfo, key_digest
 from gateway.routing.keys import BlockKeyer
 from worker_agent.adapters import ServedAdapters
@@ -326,6 +327,7 @@ class Agent:
             epoch=self.epoch,
             started_at=self.epoch / 1e6,
             adapters=self.adapters.names,
+            seed_fingerprint=seed_fingerprint(cfg.hash_seed),
         )
 
     async def _adapters_loop(self) -> None:
@@ -338,12 +340,14 @@ class Agent:
             try:
                 for d in self.domains:
                     await self.bus.register(self.worker_info(d), self.config.registration_ttl)
-            except BusError:
+            except BusError as exc:
                 self.metrics.publish_errors.inc()
                 self.metrics.heartbeats.labels("error").inc()
+                self.publisher.bus_failed(exc)  # the one backoff and connected gauge
             else:
                 self.metrics.heartbeats.labels("ok").inc()
                 self.metrics.last_heartbeat.set(time.time())
+                self.publisher.bus_ok()
             await asyncio.sleep(self.config.heartbeat_interval)
 
     async def _report_loop(self) -> None:
@@ -360,11 +364,13 @@ class Agent:
                     self.engine_block_size = (
                         self.adapter.block_size(samples) or self.engine_block_size
                     )
-                for wid, report in self._reports(samples, time.time()):
-                    await self.bus.publish_report(wid, report, ttl)
+                if self.publisher.may_use_bus():  # else backing off: the report is stale soon
+                    for wid, report in self._reports(samples, time.time()):
+                        await self.bus.publish_report(wid, report, ttl)
                 failing = False
-            except BusError:
+            except BusError as exc:
                 self.metrics.publish_errors.inc()
+                self.publisher.bus_failed(exc)
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 self.metrics.scrape_errors.inc()
                 if not failing:

@@ -5,10 +5,17 @@
   a timer, so latency stays one round trip under light load).
 * Each entry gets the next ``seq`` of this agent's ``epoch`` when it is built; an entry is
   retried with the same seq until the bus acknowledges it, so readers see no gaps.
-* Bus down: entries and new events stay buffered; past ``max_buffer_events`` the buffer is
-  dropped and, once the bus is back, the mirror itself is published as clear + stores
-  (a resync) rather than anything stale. After every reconnect a snapshot is written at
-  once (the store may have lost everything, e.g. a Redis restart without persistence).
+* Bus down: entries and new events stay buffered; past ``max_buffer_events`` keys the whole
+  buffer is dropped (logged, counted in ``buffer_overflows``) and, once the bus is back, the
+  mirror itself is published as clear + stores (a resync) rather than anything stale. After
+  every reconnect a snapshot is written at once (the store may have lost everything, e.g. a
+  Redis restart without persistence).
+* Failures back off: after a failed bus operation nothing is tried before a capped,
+  exponentially growing delay with jitter (hundreds of agents must not hammer a Redis that
+  is failing over, nor spin a core each). The agent's heartbeat and load loops report their
+  own bus results here (``bus_ok``/``bus_failed``), so one backoff and one honest
+  ``redis_connected`` gauge cover every use of the bus: 0 from the first failure until an
+  operation succeeds again.
 * Snapshots are captured synchronously right after a drain, so they equal the state after
   the last built entry; the stream is trimmed (MINID) to the previous snapshot's id so a
   reader lagging by less than one snapshot interval never needs a re-bootstrap.
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +46,9 @@ class PublisherSettings:
     max_entry_keys: int = 4096  # keys per stream entry (large batches are split)
     max_buffer_events: int = 200_000  # buffered canonical keys before the resync policy
     snapshot_interval: float = 10.0  # seconds between snapshots
-    backoff_min: float = 0.05
+    #: delay after the first failed bus operation, doubling per failure up to backoff_max;
+    #: each delay is drawn uniformly from [delay/2, delay] (jitter)
+    backoff_min: float = 0.1
     backoff_max: float = 2.0
 
 
@@ -87,7 +97,12 @@ class Publisher:
         self._resync = False
         self._snapshot_task: asyncio.Task[None] | None = None
         self.snapshots_written = 0
-        self._connected = True
+        self._connected = False  # until a bus operation succeeds (the gauge says 0 till then)
+        self._ever_connected = False
+        self._failures = 0  # consecutive failed bus operations
+        self._retry_at = 0.0  # monotonic time before which the bus is left alone
+        self._rng = random.Random()
+        self.metrics.connected.set(0)
         self._wake = asyncio.Event()
         self.started = asyncio.Event()  # set after the first acknowledged write
         self.idle = asyncio.Event()  # set whenever nothing is queued or unsent
@@ -115,23 +130,47 @@ class Publisher:
     # -- the writer task --------------------------------------------------------------------
 
     async def run(self) -> None:
-        backoff = self.settings.backoff_min
         while not self.stopping:
+            backoff = self._retry_at - time.monotonic()
+            if backoff > 0:
+                # events keep queueing (add() is synchronous); a wake-up only ends the wait
+                # early if another loop saw the bus answer (bus_ok resets _retry_at)
+                self._wake.clear()
+                await wait_event(self._wake, backoff)
+                continue
             if not self._has_work():
                 self.idle.set()
                 self._wake.clear()
                 due_in = max(0.0, self._next_snapshot - time.monotonic())
                 if not await wait_event(self._wake, due_in):
                     self._snapshot_due = True
+                continue  # re-check the backoff: another loop may have seen the bus fail
             try:
-                await self._step()
-                self._set_connected(True)
-                backoff = self.settings.backoff_min
+                if await self._step():
+                    self.bus_ok()
             except BusError as exc:
                 self.metrics.publish_errors.inc()
-                self._set_connected(False, exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.settings.backoff_max)
+                self.bus_failed(exc)
+
+    # -- the bus's health, shared with the agent's other loops ------------------------------
+
+    def may_use_bus(self) -> bool:
+        """False while backing off after a failure (callers skip optional bus writes)."""
+        return time.monotonic() >= self._retry_at
+
+    def bus_ok(self) -> None:
+        """A bus operation succeeded: reset the backoff; after an outage, resume at once."""
+        self._failures = 0
+        self._retry_at = 0.0
+        self._set_connected(True)
+
+    def bus_failed(self, exc: BaseException) -> None:
+        """A bus operation failed: nothing more is tried before a jittered, capped delay."""
+        s = self.settings
+        delay = min(s.backoff_max, s.backoff_min * 2**self._failures)
+        self._failures = min(self._failures + 1, 32)
+        self._retry_at = time.monotonic() + self._rng.uniform(delay / 2, delay)
+        self._set_connected(False, exc)
 
     async def flush(self, within: float) -> bool:
         """Wait until everything queued so far is acknowledged (graceful shutdown)."""
@@ -143,7 +182,10 @@ class Publisher:
         snapshot_due = self._snapshot_due and self._snapshot_task is None
         return bool(st.pending or st.unsent or self._resync) or snapshot_due
 
-    async def _step(self) -> None:
+    async def _step(self) -> bool:
+        """Build, send and snapshot what is due; True if the bus acknowledged something
+        (snapshots written in the background report their own result)."""
+        acked = False
         if self._resync:
             self._build_resync()
         self._drain()
@@ -163,6 +205,7 @@ class Publisher:
             st.unsent = []
             st.unsent_size = 0
             self.metrics.buffer_depth.set(st.pending_size)
+            acked = True
         if snap is not None:
             # the snapshot is the state after entry ``seq``, whose id is now ``last_id``
             write = self._write_snapshot(snap[0], self.last_id, snap[1])
@@ -175,6 +218,7 @@ class Publisher:
             self.started.set()  # the epoch's first entry and snapshot are written
         if not st.pending and not st.unsent:
             self.idle.set()
+        return acked
 
     # -- building entries -------------------------------------------------------------------
 
@@ -259,14 +303,15 @@ class Publisher:
             await self.bus.write_snapshot(self.worker, snap)
             if self._prev_snapshot_id is not None:
                 await self.bus.trim(self.worker, self._prev_snapshot_id)
-        except BusError:
+        except BusError as exc:
             self.metrics.publish_errors.inc()
-            self._snapshot_due = True
-            self._next_snapshot = time.monotonic() + self.settings.backoff_max
+            self._snapshot_due = True  # retried once the backoff allows
+            self.bus_failed(exc)
             return
         self._prev_snapshot_id = stream_id
         self.snapshots_written += 1
         self.metrics.snapshots.inc()
+        self.bus_ok()
 
     def _snapshot_done(self, task: asyncio.Task[None]) -> None:
         self._snapshot_task = None
@@ -283,11 +328,20 @@ class Publisher:
 
     def _set_connected(self, ok: bool, exc: BaseException | None = None) -> None:
         if ok and not self._connected:
-            log.info("event bus is back: flushing the buffer and writing a snapshot")
-            self._snapshot_due = True
+            if self._ever_connected:
+                log.info("event bus is back: flushing the buffer and writing a snapshot")
+                self._snapshot_due = True
+            self._ever_connected = True
             self._wake.set()
         elif not ok and self._connected:
-            log.warning("event bus unavailable, buffering events: %s", exc)
+            log.warning(
+                "event bus unavailable, buffering up to %d keys (beyond that the buffer is "
+                "dropped and the whole mirror republished on return); retrying with backoff "
+                "up to %.1fs: %s",
+                self.settings.max_buffer_events,
+                self.settings.backoff_max,
+                exc,
+            )
         self._connected = ok
         self.metrics.connected.set(1 if ok else 0)
 

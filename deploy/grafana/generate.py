@@ -441,7 +441,58 @@ def panels() -> list[dict[str, Any]]:
         8,
     )
 
+    L.add(
+        timeseries(
+            "Responses/s by status class",
+            targets(
+                (
+                    f"sum by (code) (rate(kvroute_responses_total{{{POOL}}}[{RATE}]))",
+                    "{{code}}",
+                ),
+            ),
+            "reqps",
+            "Every API response, engine errors passed through included: the SLO's denominator.",
+            stack=True,
+        ),
+        12,
+        8,
+    )
+    L.add(
+        timeseries(
+            "Server-error ratio (objective 0.1%)",
+            targets(
+                (
+                    f'((sum(rate(kvroute_responses_total{{code="5xx",{POOL}}}[{RATE}])) or vector(0))'
+                    f" + (sum(rate(kvroute_stream_errors_total{{{SEL}}}[{RATE}])) or vector(0)))"
+                    f" / sum(rate(kvroute_responses_total{{{POOL}}}[{RATE}]))",
+                    "errors",
+                ),
+            ),
+            "percentunit",
+            "5xx responses and streams broken after their first byte, over all responses "
+            "(the KvrouteErrorBudgetBurn* alerts).",
+        ),
+        12,
+        8,
+    )
+
     L.row("Workers")
+    L.add(
+        timeseries(
+            "Refused worker registrations by reason",
+            targets(
+                (
+                    f"sum by (reason) (increase(kvroute_worker_rejected_total[{RATE}]))",
+                    "{{reason}}",
+                ),
+                ("max(kvroute_workers_unverified_seed)", "accepted without a seed fingerprint"),
+            ),
+            description="seed_mismatch: an agent keyed with another hash seed (no cache hit "
+            "could ever match); see /workers rejected_registrations and the gateway's log.",
+        ),
+        24,
+        6,
+    )
     L.add(
         timeseries(
             "Index blocks per worker",

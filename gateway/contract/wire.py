@@ -121,6 +121,9 @@ class WorkerInfo:
     with several data-parallel ranks registers each rank as a worker of its own (one prefix
     cache each): ``dp_rank`` is the rank the gateway pins requests to, ``engine_id`` the
     engine (agent) it belongs to; both are unset for an engine with one rank.
+    ``kv_capacity_blocks`` is in canonical blocks (``block_size`` tokens each).
+    ``seed_fingerprint`` (``gateway.contract.fingerprint``) lets a gateway refuse an agent
+    keyed with another hash seed; empty from agents that predate it (accepted, unverified).
     """
 
     worker_id: str
@@ -143,6 +146,7 @@ class WorkerInfo:
     #: LoRA adapters the engine serves (requests may name them as ``model``), from its
     #: ``/v1/models`` (cards whose ``parent`` is the base model)
     adapters: tuple[str, ...] = ()
+    seed_fingerprint: str = ""
 
 
 @dataclass(frozen=True)

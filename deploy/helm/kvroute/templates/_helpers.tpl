@@ -153,22 +153,48 @@ A deep merge of two maps as JSON: the second wins, nested maps merge, lists and 
 {{- end -}}
 
 {{/*
-A value the chart generates once and keeps: the existing Secret's (on upgrade), else the
-given one, else a new random one. Args: (list $ secretName key givenValue).
+Fail the render, naming the value, when a secret that several components must share is
+neither given inline nor referenced. Under `helm template` (Argo CD, Flux) the chart cannot
+look up what a previous install generated, so it never generates one.
 */}}
-{{- define "kvroute.keptSecretValue" -}}
+{{- define "kvroute.requiredSecrets" -}}
+{{- if not (or .Values.index.hashSeed .Values.index.hashSeedSecretRef) -}}
+{{- fail "index.hashSeed or index.hashSeedSecretRef is required: the gateways and every agent must share one block-key seed, and the chart never generates one (each render would make a new seed). Create a Secret (kubectl create secret generic kvroute-index --from-literal=seed=$(openssl rand -hex 32)) and set index.hashSeedSecretRef={name: kvroute-index, key: seed}" -}}
+{{- end -}}
+{{- if and (eq .Values.redis.mode "bundled") (not (or .Values.redis.bundled.password .Values.redis.bundled.passwordSecretRef)) -}}
+{{- fail "redis.bundled.password or redis.bundled.passwordSecretRef is required: Redis, the gateways and every agent must share one password, and the chart never generates one (each render would make a new password). Create a Secret (kubectl create secret generic kvroute-redis --from-literal=password=$(openssl rand -hex 24)) and set redis.bundled.passwordSecretRef={name: kvroute-redis, key: password}" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The identity of a shared secret for pod checksum annotations: its inline value, or the
+reference plus secretsRevision (a Secret the chart only references changes without the
+chart seeing it: bump secretsRevision when you rotate it). Args: (list $ inline ref).
+*/}}
+{{- define "kvroute.secretIdentity" -}}
 {{- $root := index . 0 -}}
-{{- $given := index . 3 -}}
-{{- if $given -}}
-{{- $given | b64enc -}}
+{{- toJson (dict "value" (index . 1) "ref" (index . 2) "revision" ($root.Values.secretsRevision | default "")) -}}
+{{- end -}}
+
+{{/* What the worker pods (agents) consume: the hash seed and the Redis password. */}}
+{{- define "kvroute.sharedSecretsChecksum" -}}
+{{- $seed := include "kvroute.secretIdentity" (list . .Values.index.hashSeed .Values.index.hashSeedSecretRef) -}}
+{{- $redis := include "kvroute.redisSecretIdentity" . -}}
+{{- printf "%s|%s" $seed $redis | sha256sum -}}
+{{- end -}}
+
+{{- define "kvroute.redisSecretIdentity" -}}
+{{- if eq .Values.redis.mode "bundled" -}}
+{{- include "kvroute.secretIdentity" (list . .Values.redis.bundled.password .Values.redis.bundled.passwordSecretRef) -}}
 {{- else -}}
-{{- $existing := lookup "v1" "Secret" $root.Release.Namespace (index . 1) -}}
-{{- if and $existing $existing.data (hasKey $existing.data (index . 2)) -}}
-{{- index $existing.data (index . 2) -}}
-{{- else -}}
-{{- randAlphaNum 32 | b64enc -}}
+{{- include "kvroute.secretIdentity" (list . .Values.redis.external.password .Values.redis.external.passwordSecretRef) -}}
 {{- end -}}
 {{- end -}}
+
+{{/* Everything the gateway consumes: the chart's Secrets, every reference, the revision. */}}
+{{- define "kvroute.gatewaySecretsChecksum" -}}
+{{- $refs := dict "seed" .Values.index.hashSeedSecretRef "admin" .Values.auth.adminKeySecretRef "apiKeys" .Values.auth.apiKeys -}}
+{{- printf "%s|%s|%s" (include "kvroute.sharedSecretsChecksum" .) (toJson $refs) (.Values.secretsRevision | default "") | cat (include (print .Template.BasePath "/secrets.yaml") .) | sha256sum -}}
 {{- end -}}
 
 {{/* secretKeyRef of the hash seed. */}}
@@ -195,6 +221,9 @@ true
 {{- if and (eq .Values.redis.mode "external") .Values.redis.external.passwordSecretRef -}}
 name: {{ .Values.redis.external.passwordSecretRef.name }}
 key: {{ .Values.redis.external.passwordSecretRef.key }}
+{{- else if and (eq .Values.redis.mode "bundled") .Values.redis.bundled.passwordSecretRef -}}
+name: {{ .Values.redis.bundled.passwordSecretRef.name }}
+key: {{ .Values.redis.bundled.passwordSecretRef.key }}
 {{- else -}}
 name: {{ include "kvroute.redisSecretName" . }}
 key: password
@@ -268,4 +297,9 @@ looks like a number is quoted by toYaml, so it never matches.
 */}}
 {{- define "kvroute.pyyamlFloats" -}}
 {{- regexReplaceAll "(?m)^(\\s*(?:[^\\s#:]+:\\s+|-\\s+)+)(-?[0-9]+)e([-+][0-9]+)$" . "${1}${2}.0e${3}" -}}
+{{- end -}}
+
+{{/* The gateway container port Prometheus scrapes: its own when gateway.metricsPort is set. */}}
+{{- define "kvroute.gatewayMetricsPortName" -}}
+{{- if .Values.gateway.metricsPort -}}metrics{{- else -}}http{{- end -}}
 {{- end -}}
