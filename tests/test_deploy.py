@@ -1410,3 +1410,44 @@ def test_lora_adapters_reach_the_engines_and_the_gateway(
         "pools": [{"name": "x", "model": "m", "lora": {"adapters": [{"name": "a=b", "path": "p"}]}}]
     }
     assert render_with(helm, tmp_path, bad).returncode != 0
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_disaggregated_pools_render_a_deployment_per_role(
+    helm: Any, tmp_path: Path, engine: str
+) -> None:
+    """A prefill and a decode Deployment per pool, selected apart, the engines started in
+    their role with the connector, the agents told their role (and SGLang's bootstrap)."""
+    pd = {"enabled": True, "prefillReplicas": 2, "decodeReplicas": 3, "bootstrapPort": 8998}
+    r = render_with(
+        helm,
+        tmp_path,
+        {
+            "pools": [
+                {"name": "ds", "model": "m", "workers": {"engine": engine, "disaggregation": pd}}
+            ]
+        },
+    )
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    deps = {
+        d["metadata"]["labels"].get("kvroute.io/role"): d
+        for d in docs
+        if d["kind"] == "Deployment" and d["metadata"]["labels"].get("kvroute.io/role")
+    }
+    assert set(deps) == {"prefill", "decode"}
+    assert deps["prefill"]["spec"]["replicas"] == 2 and deps["decode"]["spec"]["replicas"] == 3
+    for role, dep in deps.items():
+        spec = dep["spec"]
+        assert spec["selector"]["matchLabels"]["kvroute.io/role"] == role
+        assert spec["template"]["metadata"]["labels"]["kvroute.io/role"] == role
+        containers = {c["name"]: c for c in spec["template"]["spec"]["containers"]}
+        eng, agent = containers["engine"]["args"], containers["agent"]["args"]
+        assert agent[agent.index("--role") + 1] == role
+        if engine == "vllm":
+            conf = json.loads(eng[eng.index("--kv-transfer-config") + 1])
+            assert conf == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        else:
+            assert eng[eng.index("--disaggregation-mode") + 1] == role
+            assert ("--disaggregation-bootstrap-port" in eng) == (role == "prefill")
+            assert ("--bootstrap-port" in agent) == (role == "prefill")
