@@ -122,7 +122,11 @@ def test_lazy_decisions_equal_eager(
         lk = memo.lazy(ids, known, remembered)
         d1 = eager.route(KEYER.keys(ids), len(ids), now)
         d2 = lazy.route(lk, len(ids), now)
-        assert (d2.worker, d2.matched_tokens, d2.reason) == (d1.worker, d1.matched_tokens, d1.reason)
+        assert (d2.worker, d2.matched_tokens, d2.reason) == (
+            d1.worker,
+            d1.matched_tokens,
+            d1.reason,
+        )
         eager.started(d1, len(ids), now)
         lazy.started(d2, len(ids), now)
         previous[p] = remembered

@@ -453,9 +453,9 @@ class PrefixKeys:
         self.capacity = max(0, capacity_tokens)
         # (id of the prefix, chain root) -> (prefix, keys of ids starting with it, its blocks);
         # an adapter's chain differs
-        self._items: OrderedDict[
-            tuple[int, int | None], tuple[tuple[int, ...], LazyKeys, int]
-        ] = OrderedDict()
+        self._items: OrderedDict[tuple[int, int | None], tuple[tuple[int, ...], LazyKeys, int]] = (
+            OrderedDict()
+        )
         self.tokens = 0
         self.hits = self.misses = 0
 
