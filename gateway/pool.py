@@ -2,7 +2,9 @@
 
 ``prepare`` turns a client request into what routing needs — the exact token ids the engine
 will see (chat template + tokenizer, with the incremental cache) and their canonical block
-keys — or a 4xx for input the engine would reject.
+keys — or a 4xx for input the engine would reject. The keys are lazy (``LazyKeys``): routing
+computes them as far as the index's match reaches, and ``settle`` computes the rest (for
+speculation and the prefix-key cache) once the request is on its way.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from gateway.requests import ClientRequest, too_long
 from gateway.routing.adapters import AdapterCatalog
 from gateway.routing.costmodel import CostModel
 from gateway.routing.index import ShadowIndex
-from gateway.routing.keys import BlockKeyer, PrefixKeys
+from gateway.routing.keys import BlockKeyer, LazyKeys, PrefixKeys
 from gateway.routing.policy import make_policy
 from gateway.routing.router import Router
 from gateway.tokenization import ChatIds, TokenizationError, Tokenizer, normalize_messages
@@ -31,7 +33,7 @@ _MESSAGES_PARAM = {"chat": "messages", "responses": "input", "messages": "messag
 @dataclass
 class Prepared:
     prompt_tokens: int
-    keys: list[int]
+    keys: LazyKeys
     tokenize_s: float
     keys_s: float
     #: body to forward when the gateway changed it (normalised messages), else None
@@ -92,6 +94,13 @@ class Pool:
             return None
         return model if self.router.adapters.known(model) else None
 
+    def settle(self, prep: Prepared) -> None:
+        """After routing ``prep``: the rest of its keys and the speculative insert the
+        decision left pending (``Router.route`` with lazy keys). Anything that reads the
+        index first applies it anyway; this does it once the request is forwarded."""
+        self.router.index.settle()  # one index for both routers
+        prep.keys.all()
+
     async def prepare(self, req: ClientRequest, adapter: str | None = None) -> Prepared:
         """Token ids and keys; an ``adapter`` request is tokenized like the base model (the
         adapter shares its tokenizer and template) and keyed on the adapter's chain."""
@@ -140,5 +149,5 @@ class Pool:
         if err is not None:
             raise err
         root = self.keyer.adapter_root(adapter)
-        keys = self.prefix_keys.keys(ids, chat.reused, chat.remembered, root)
+        keys = self.prefix_keys.lazy(ids, chat.reused, chat.remembered, root)
         return Prepared(len(ids), keys, t1 - t0, time.perf_counter() - t1, body, adapter)

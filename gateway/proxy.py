@@ -239,6 +239,7 @@ class Proxy:
             except NoCandidates:
                 break
             self.metrics.decision.labels(pool.name).observe(time.perf_counter() - t0)
+            asyncio.get_running_loop().call_soon(pool.settle, prep)  # once forwarded
             try:
                 if decode is not None:
                     response = await self._attempt_pair(
@@ -657,7 +658,7 @@ class Proxy:
             self.request_log.record(
                 pool.name,
                 pool.router.block_size,
-                prep.keys,
+                prep.keys.all(),
                 prep.prompt_tokens,
                 decision,
                 [w for w in pool.router.workers() if w not in ex],

@@ -38,6 +38,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
+from gateway.routing.keys import LazyKeys
+
 __all__ = ["IndexStats", "ShadowIndex"]
 
 
@@ -86,15 +88,21 @@ class ShadowIndex:
         self._spec_log: deque[tuple[float, int, list[int]]] = deque()
         self._spec_exp: dict[int, float] = {}  # key | slot << 64 -> latest expiry
         self._decoded: dict[int, list[str]] = {}  # slot mask -> worker ids (match cache)
+        #: speculate_later's calls, applied before the index is next read or changed
+        self._pending: deque[tuple[str, Sequence[int], float, int]] = deque()
 
     # -- workers ----------------------------------------------------------------------------
 
     def add_worker(self, worker: str) -> None:
         """Make ``worker`` known (stores do this implicitly)."""
+        if self._pending:
+            self.settle()
         self._slot_of(worker)
 
     def remove_worker(self, worker: str) -> None:
         """Forget ``worker`` and everything it held; its slot becomes reusable."""
+        if self._pending:
+            self.settle()
         slot = self._slot.get(worker)
         if slot is None:
             return
@@ -115,6 +123,8 @@ class ShadowIndex:
 
     def stored(self, worker: str, parent: int | None, keys: Sequence[int]) -> None:
         """``worker`` now holds ``keys``: a chain whose first block follows ``parent``."""
+        if self._pending:
+            self.settle()
         if not keys:
             return
         slot = self._slot_of(worker)
@@ -125,6 +135,8 @@ class ShadowIndex:
 
     def removed(self, worker: str, keys: Iterable[int]) -> None:
         """``worker`` no longer holds ``keys`` (any keys, not necessarily a chain)."""
+        if self._pending:
+            self.settle()
         slot = self._slot.get(worker)
         if slot is None:
             self.stats.unknown_removes += sum(1 for _ in keys)
@@ -142,6 +154,8 @@ class ShadowIndex:
 
     def cleared(self, worker: str) -> None:
         """``worker`` dropped its whole cache (engine reset or restart, agent resync)."""
+        if self._pending:
+            self.settle()
         slot = self._slot.get(worker)
         if slot is None:
             return
@@ -159,11 +173,37 @@ class ShadowIndex:
         a new prefix follows the first one. An attribution lasts ``speculative_ttl`` after
         the latest decision that made it. Returns the number of blocks newly attributed.
         """
+        if self._pending:
+            self.settle()
+        return self._speculate(worker, keys, now, start)
+
+    def speculate_later(self, worker: str, keys: Sequence[int], now: float, start: int = 0) -> None:
+        """``speculate``, applied in order before the index is next read or changed (or by
+        ``settle``): whoever looks sees exactly what an immediate ``speculate`` would have
+        left, but a decision over lazy keys (:class:`LazyKeys`) returns without computing
+        the rest of the prompt's keys; the gateway settles after forwarding the request."""
+        self._pending.append((worker, keys, now, start))
+
+    def settle(self) -> int:
+        """Apply pending ``speculate_later`` calls; returns the blocks newly attributed.
+
+        A call is dropped before it is applied, so one that fails (bad token ids in lazy
+        keys) is not retried by every later reader of the index."""
+        pending = self._pending
+        added = 0
+        while pending:
+            worker, keys, now, start = pending.popleft()
+            added += self._speculate(worker, keys, now, start)
+        return added
+
+    def _speculate(self, worker: str, keys: Sequence[int], now: float, start: int) -> int:
         if start >= len(keys) or self.speculative_ttl <= 0:
             return 0
         slot = self._slot_of(worker)
         bit = 1 << slot
-        tail = list(keys[start:])
+        if isinstance(keys, LazyKeys):
+            keys = keys.all()
+        tail = keys[start:] if isinstance(keys, list) else list(keys[start:])
         parent = keys[start - 1] if start else None
         added = self._add_chain(parent, tail, bit, speculative=True)
         expiry = now + self.speculative_ttl
@@ -175,6 +215,8 @@ class ShadowIndex:
 
     def expire(self, now: float) -> int:
         """Drop speculative attributions whose TTL has passed; returns how many blocks."""
+        if self._pending:
+            self.settle()
         log = self._spec_log
         exp = self._spec_exp
         dropped = 0
@@ -228,10 +270,16 @@ class ShadowIndex:
         Workers sharing a match length are interchangeable for the prefill they save, and
         there are few distinct lengths, so policies work per level instead of per worker.
         """
+        if self._pending:
+            self.settle()
         n = len(keys)
         if not n:
             return []
-        if not isinstance(keys, list):
+        # Lazy keys are computed as far as the walk reads: a run and the key after it.
+        lazy = keys if isinstance(keys, LazyKeys) else None
+        if lazy is not None:
+            keys = lazy.upto(1)  # grows in place as ``upto`` is called
+        elif not isinstance(keys, list):
             keys = list(keys)
         node = self._root.children.get(keys[0])
         pos = 0
@@ -240,6 +288,8 @@ class ShadowIndex:
         while node is not None:
             run = node.keys
             m = len(run)
+            if lazy is not None and pos + m >= len(keys):
+                lazy.upto(pos + m + 1)
             common = m if keys[pos : pos + m] == run else _common_prefix(run, keys, pos)
             if alive != -1 and alive & ~node.mask and pos:
                 drops.append((pos, alive & ~node.mask))
@@ -272,14 +322,20 @@ class ShadowIndex:
 
     def blocks(self, worker: str) -> int:
         """Blocks ``worker`` really holds (speculation excluded)."""
+        if self._pending:
+            self.settle()
         slot = self._slot.get(worker)
         return 0 if slot is None else self._real[slot]
 
     def block_counts(self) -> dict[str, int]:
+        if self._pending:
+            self.settle()
         return {w: self._real[s] for w, s in self._slot.items()}
 
     def worker_keys(self, worker: str) -> frozenset[int]:
         """The keys ``worker`` really holds: what must equal the agent's mirror."""
+        if self._pending:
+            self.settle()
         slot = self._slot.get(worker)
         if slot is None:
             return frozenset()
@@ -287,27 +343,39 @@ class ShadowIndex:
         return frozenset(k for n in self._nodes[slot] if not n.spec & bit for k in n.keys)
 
     def holds(self, worker: str, key: int) -> bool:
+        if self._pending:
+            self.settle()
         slot = self._slot.get(worker)
         return slot is not None and self._holds_real(key, 1 << slot)
 
     def __len__(self) -> int:
         """Distinct keys in the tree (held, speculative or structural)."""
+        if self._pending:
+            self.settle()
         return len(self._node)
 
     def entries(self) -> int:
         """(block, worker) pairs really held."""
+        if self._pending:
+            self.settle()
         return sum(self._real[s] for s in self._slot.values())
 
     def speculative_entries(self) -> int:
+        if self._pending:
+            self.settle()
         return sum(
             len(n.keys) for s in self._slot.values() for n in self._nodes[s] if n.spec & (1 << s)
         )
 
     def node_count(self) -> int:
+        if self._pending:
+            self.settle()
         return len({id(n) for n in self._node.values()})
 
     def check_invariants(self) -> None:
         """Structural self-check for tests (O(size))."""
+        if self._pending:
+            self.settle()
         seen = 0
         stack = [self._root, *self._detached.values()]
         while stack:
@@ -624,6 +692,8 @@ class ShadowIndex:
 
     def iter_runs(self) -> Iterator[tuple[list[int], int]]:
         """(run keys, holder mask) for every node: for debugging and memory accounting."""
+        if self._pending:
+            self.settle()
         stack = [self._root, *self._detached.values()]
         while stack:
             node = stack.pop()

@@ -33,12 +33,20 @@ from __future__ import annotations
 import array
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from operator import mul
+from typing import overload
 
 import numpy as np
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "MAX_TOKEN_ID", "BlockKeyer", "InvalidTokens", "PrefixKeys"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "MAX_TOKEN_ID",
+    "BlockKeyer",
+    "InvalidTokens",
+    "LazyKeys",
+    "PrefixKeys",
+]
 
 DEFAULT_BLOCK_SIZE = 16
 #: Token ids must be in ``[0, MAX_TOKEN_ID)``: engines use int32 ids.
@@ -350,6 +358,85 @@ def _secret_stream(seed: bytes, block_size: int, nbytes: int, label: bytes = b""
     return bytes(out[:nbytes])
 
 
+class LazyKeys(Sequence[int]):
+    """The block keys of one prompt, computed only as far as they are read.
+
+    A routing decision needs keys only as far as the index's match can reach: one key shows
+    that a novel prompt matches nothing, a prompt under a cached system prompt needs the
+    system prompt's keys and one more. Speculation and :class:`PrefixKeys` need them all, but
+    after the decision. ``upto(k)`` extends the chain (``BlockKeyer.keys`` from the last
+    computed key, so each chunk is one vectorised call and the keys are exactly the eager
+    ones) to at least ``k`` keys and at least twice as many as before, so reading every key
+    costs a few calls however it is read. ``len`` is the number of full blocks; indexing,
+    slicing and iteration compute what they need. One thread only.
+    """
+
+    __slots__ = ("_keys", "_n", "keyer", "root", "tokens")
+
+    def __init__(
+        self,
+        keyer: BlockKeyer,
+        tokens: Tokens,
+        root: int | None = None,
+        known: Sequence[int] = (),
+    ) -> None:
+        """``known``: keys of a prefix of ``tokens`` already computed (a remembered turn)."""
+        self.keyer = keyer
+        self.tokens = tokens
+        self.root = root  # the chain's start: None, or ``BlockKeyer.adapter_root``
+        self._n = len(tokens) // keyer.block_size
+        if len(known) > self._n:
+            raise ValueError("known keys cover more blocks than tokens has")
+        self._keys = list(known)
+        if len(known) == self._n:
+            self.tokens = ()
+
+    @property
+    def computed(self) -> int:
+        """Keys computed so far."""
+        return len(self._keys)
+
+    def upto(self, k: int) -> list[int]:
+        """The computed keys, at least ``min(k, len(self))`` of them (the list grows in place:
+        callers may keep it and call ``upto`` again)."""
+        keys = self._keys
+        done = len(keys)
+        if k > done and done < self._n:
+            end = min(self._n, max(k, 2 * done))
+            bs = self.keyer.block_size
+            parent = keys[-1] if done else self.root
+            keys.extend(self.keyer.keys(self.tokens[done * bs : end * bs], parent))
+            if end == self._n:  # complete: a remembered entry need not hold the ids too
+                self.tokens = ()
+        return keys
+
+    def all(self) -> list[int]:
+        """Every key (the list itself: do not modify it)."""
+        return self.upto(self._n)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            stop = i.stop
+            if i.step is None and stop is not None and stop >= 0 and (i.start or 0) >= 0:
+                return self.upto(stop)[i]
+            return self.all()[i]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("block key index out of range")
+        return self.upto(i + 1)[i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.all())
+
+
 class PrefixKeys:
     """Block keys of remembered token prefixes, so a follow-up turn hashes only its new blocks.
 
@@ -364,8 +451,9 @@ class PrefixKeys:
     def __init__(self, keyer: BlockKeyer, capacity_tokens: int) -> None:
         self.keyer = keyer
         self.capacity = max(0, capacity_tokens)
-        # (id of the prefix, chain root) -> (prefix, its keys); an adapter's chain differs
-        self._items: OrderedDict[tuple[int, int | None], tuple[tuple[int, ...], list[int]]] = (
+        # (id of the prefix, chain root) -> (prefix, keys of ids starting with it, its blocks);
+        # an adapter's chain differs
+        self._items: OrderedDict[tuple[int, int | None], tuple[tuple[int, ...], LazyKeys, int]] = (
             OrderedDict()
         )
         self.tokens = 0
@@ -381,27 +469,40 @@ class PrefixKeys:
         """Keys of ``ids``, which start with ``reused``; remember those of ``remembered`` (a
         prefix of ``ids``) for the requests that will start with it. ``root``: the chain's
         start (``BlockKeyer.adapter_root``; None: the base model's)."""
+        return self.lazy(ids, reused, remembered, root).all()
+
+    def lazy(
+        self,
+        ids: Sequence[int],
+        reused: tuple[int, ...] = (),
+        remembered: tuple[int, ...] | None = None,
+        root: int | None = None,
+    ) -> LazyKeys:
+        """``keys`` as :class:`LazyKeys`: the reused prefix's keys are known at once, the
+        rest computed as read. ``remembered`` is remembered with the lazy keys themselves,
+        completed when a later turn reuses it (the gateway completes them after routing)."""
         slot = (id(reused), root)
         entry = self._items.get(slot) if reused else None
         if entry is not None and entry[0] is reused:
             self._items.move_to_end(slot)
             self.hits += 1
-            keys = self.keyer.extend(entry[1], ids, root)
+            prev, n = entry[1], entry[2]
+            keys = LazyKeys(self.keyer, ids, root, prev.upto(n)[:n])
         else:
             self.misses += 1
-            keys = self.keyer.keys(ids, root)
+            keys = LazyKeys(self.keyer, ids, root)
         if remembered is not None and len(remembered) >= self.keyer.block_size:
-            self._put(remembered, keys[: len(remembered) // self.keyer.block_size], root)
+            self._put(remembered, keys, len(remembered) // self.keyer.block_size)
         return keys
 
-    def _put(self, prefix: tuple[int, ...], keys: list[int], root: int | None) -> None:
-        slot = (id(prefix), root)
+    def _put(self, prefix: tuple[int, ...], keys: LazyKeys, n: int) -> None:
+        slot = (id(prefix), keys.root)
         if len(prefix) > self.capacity or slot in self._items:
             return
-        self._items[slot] = (prefix, keys)
+        self._items[slot] = (prefix, keys, n)
         self.tokens += len(prefix)
         while self.tokens > self.capacity:
-            _, (old, _) = self._items.popitem(last=False)
+            _, (old, _, _) = self._items.popitem(last=False)
             self.tokens -= len(old)
 
     def __len__(self) -> int:

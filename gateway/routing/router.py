@@ -5,7 +5,7 @@ live gateway, the offline cluster simulator and the benchmarks drive this same c
 what the simulator says about routing quality is what the gateway does.
 
 Life of a request: ``route()`` (lookup + policy; speculative insert of the prompt's keys for
-the chosen worker) -> ``started()`` when it is sent (in-flight accounting) -> ``first_token()``
+the chosen worker, deferred when the keys are lazy) -> ``started()`` when it is sent (in-flight accounting) -> ``first_token()``
 (prefill done; calibrates the cost model) -> ``finished()``. A retry on another worker is a
 new ``route()`` with the failed worker excluded from the candidates.
 """
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from gateway.routing.adapters import AdapterCatalog
 from gateway.routing.costmodel import CostModel
 from gateway.routing.index import ShadowIndex
+from gateway.routing.keys import LazyKeys
 from gateway.routing.load import LoadTracker
 from gateway.routing.policy import Decision, Policy, PolicyContext, PoolView, RouteRequest
 
@@ -109,6 +110,11 @@ class Router:
     ) -> Decision:
         """Choose a worker for a prompt of ``prompt_tokens`` tokens with block ``keys``.
 
+        ``keys`` may be :class:`LazyKeys`: the decision computes them only as far as the
+        index's match reaches, and the speculative insert that needs them all is left
+        pending in the index (applied before anyone next reads or changes it, or by
+        ``index.settle()``), so the rest is not on the decision's latency.
+
         ``exclude``: workers not to use for this request (unhealthy, or already tried).
         ``adapter``: the LoRA adapter asked for (``keys`` on its chain): only workers serving
         it are candidates, and those without it loaded pay its load in the cost model.
@@ -140,7 +146,11 @@ class Router:
                 self.ctx.popularity.observe_request(now)
             if self.speculate and keys:
                 start = decision.matched_tokens // self.block_size
-                index.speculate(decision.worker, keys, now, start=start)
+                if isinstance(keys, LazyKeys) and keys.computed < len(keys):
+                    # the rest of the keys after the decision (ShadowIndex.speculate_later)
+                    index.speculate_later(decision.worker, keys, now, start=start)
+                else:
+                    index.speculate(decision.worker, keys, now, start=start)
         return decision
 
     def started(self, decision: Decision, prompt_tokens: int, now: float) -> Ticket:

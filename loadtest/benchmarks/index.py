@@ -16,8 +16,17 @@ with engine load reports on every worker. P1 is token ids -> chosen worker, keys
   (``--followup-tokens`` new tokens after a prefix the gateway remembers): keys through
   ``PrefixKeys`` as ``gateway/pool.py`` does (the known prefix's keys reused, only the new
   blocks hashed), then lookup + scoring;
-* ``decide_p50_us``: lookup + scoring alone (keys precomputed), the cold prompts' decision;
-  ``keys_p50_us``/``keys_followup_p50_us``: the key part alone;
+* keys are lazy (``LazyKeys``, as ``gateway/pool.py`` hands them to the router): computed
+  only as far as the index's match reaches before the decision (``blocks_keyed_before_
+  decision_mean``); the rest, which speculation and ``PrefixKeys`` need after the decision
+  (the gateway computes them once the request is forwarded), is ``keys_rest_p50_us`` /
+  ``keys_rest_followup_p50_us``, reported, not hidden; ``route_by_prompt_p50_us`` splits the
+  cold p50 by prompt kind;
+* ``route_eager_*``: the same prompts routed over eager keys (every key computed first, the
+  old path) in the same run, alternating with the lazy path, and ``lazy_vs_eager_p50``;
+  their decisions must agree (``sane``);
+* ``decide_p50_us``: lookup + scoring alone (eager keys precomputed), the cold prompts'
+  decision; ``keys_p50_us``/``keys_followup_p50_us``: eager keys alone;
 * ``speculate_p50_us``: the speculative insert that follows a real decision (off the
   decision's latency);
 * ``apply_events_per_s``: canonical block events (stores of 16 blocks, removes in 16-key
@@ -66,7 +75,7 @@ from gateway.contract.wire import (
     encode_entry,
 )
 from gateway.routing.index import ShadowIndex
-from gateway.routing.keys import BlockKeyer, PrefixKeys
+from gateway.routing.keys import BlockKeyer, LazyKeys, PrefixKeys
 from gateway.routing.policy import make_policy
 from gateway.routing.router import Router
 
@@ -263,21 +272,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t: dict[str, list[float]] = {
         k: []
         for k in (
-            "route", "decide", "keys", "dict", "match", "spec", "ids",
-            "f_route", "f_keys", "f_decide",
+            "route", "rest", "e_route", "decide", "keys", "dict", "match", "spec", "ids",
+            "f_route", "f_rest", "f_e_route", "f_keys", "f_decide",
+            "kind0", "kind1", "kind2",
         )
     }  # fmt: skip
+    keyed: list[int] = []  # blocks keyed before a cold decision
     # Each prompt is a fresh token list made just before it is routed, as the tokenizer
-    # hands one to the gateway.
+    # hands one to the gateway. Every prompt is routed twice (dry runs: the same state):
+    # lazy keys (the gateway's path) and eager keys (every key first, the old path), in
+    # alternating order, so the A/B shares the machine's noise; the decisions must agree.
     now = 0.0
     sane = True
     bar = tqdm(total=2 * args.queries, desc="index: routing", unit="req", leave=False)
     for q in range(args.queries):
         ids = prompt(q % 3)
-        t0 = time.perf_counter()
-        keys = keyer.keys(ids)
-        t1 = time.perf_counter()
-        d = router.route(keys, len(ids), now, dry_run=True)
+        ids_e = ids.copy()
+        rng_state = router.ctx.rng.getstate()  # both routes break ties alike
+        for lazy_turn in (q % 2 == 0, q % 2 == 1):
+            router.ctx.rng.setstate(rng_state)
+            if lazy_turn:
+                t0 = time.perf_counter()
+                lk = LazyKeys(keyer, ids)
+                d_lazy = router.route(lk, len(ids), now, dry_run=True)
+                t1 = time.perf_counter()
+                keyed.append(lk.computed)
+                keys = lk.all()  # the rest: speculation's and PrefixKeys' (after forwarding)
+                t2 = time.perf_counter()
+                t["route"].append((t1 - t0) * 1e6)
+                t[f"kind{q % 3}"].append((t1 - t0) * 1e6)
+                t["rest"].append((t2 - t1) * 1e6)
+            else:
+                t0 = time.perf_counter()
+                keys_e = keyer.keys(ids_e)
+                t1 = time.perf_counter()
+                d = router.route(keys_e, len(ids_e), now, dry_run=True)
+                t2 = time.perf_counter()
+                t["keys"].append((t1 - t0) * 1e6)
+                t["e_route"].append((t2 - t0) * 1e6)
+                t["decide"].append((t2 - t1) * 1e6)
+        sane &= keys == keys_e and (d.worker, d.matched_tokens) == (
+            d_lazy.worker,
+            d_lazy.matched_tokens,
+        )
         t2 = time.perf_counter()
         _dict_walk(flat, keys)
         t3 = time.perf_counter()
@@ -289,16 +326,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         buf.fromlist(ids)
         t6 = time.perf_counter()
         router.tick(now)
-        t["keys"].append((t1 - t0) * 1e6)
-        t["route"].append((t2 - t0) * 1e6)
-        t["decide"].append((t2 - t1) * 1e6)
         t["dict"].append((t3 - t2) * 1e6)
         t["match"].append((t4 - t3) * 1e6)
         t["spec"].append((t5 - t4) * 1e6)
         t["ids"].append((t6 - t5) * 1e6)
         now += 0.01
         bar.update()
-        del keys, d, buf  # freed here, not inside the next timed call
+        del keys, keys_e, lk, d, d_lazy, buf  # freed here, not inside the next timed call
 
     # Follow-ups: the gateway remembers each conversation's prefix (tokenizer cache) with its
     # keys (PrefixKeys, from the previous turn); the next turn adds --followup-tokens tokens.
@@ -317,23 +351,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ids = known + filler[: n_tok - known_len].tolist()
         remembered = tuple(ids)
         alive.extend((reused, remembered))
-        t0 = time.perf_counter()
-        keys = memo.keys(ids, reused, remembered)
-        t1 = time.perf_counter()
-        d = router.route(keys, len(ids), now, dry_run=True)
-        t2 = time.perf_counter()
+        rng_state = router.ctx.rng.getstate()
+        for lazy_turn in (q % 2 == 0, q % 2 == 1):
+            router.ctx.rng.setstate(rng_state)
+            if lazy_turn:
+                t0 = time.perf_counter()
+                lk = memo.lazy(ids, reused, remembered)
+                d_lazy = router.route(lk, len(ids), now, dry_run=True)
+                t1 = time.perf_counter()
+                keys = lk.all()
+                t2 = time.perf_counter()
+                t["f_route"].append((t1 - t0) * 1e6)
+                t["f_rest"].append((t2 - t1) * 1e6)
+            else:
+                t0 = time.perf_counter()
+                keys_e = memo.keys(ids, reused, remembered)
+                t1 = time.perf_counter()
+                d = router.route(keys_e, len(ids), now, dry_run=True)
+                t2 = time.perf_counter()
+                t["f_keys"].append((t1 - t0) * 1e6)
+                t["f_e_route"].append((t2 - t0) * 1e6)
+                t["f_decide"].append((t2 - t1) * 1e6)
+        sane &= keys == keys_e and (d.worker, d.matched_tokens) == (
+            d_lazy.worker,
+            d_lazy.matched_tokens,
+        )
         if q == 0:  # the keys are the prompt's, and the conversation's holder matches them
             levels = index.match_levels(keys)
             deep = min(len(conv[4]), known_len // BS)
             sane &= keys == keyer.keys(ids) and bool(levels) and levels[0][0] >= deep
         index.speculate(d.worker, keys, now, start=d.matched_tokens // BS)
         router.tick(now)
-        t["f_keys"].append((t1 - t0) * 1e6)
-        t["f_route"].append((t2 - t0) * 1e6)
-        t["f_decide"].append((t2 - t1) * 1e6)
         now += 0.01
         bar.update()
-        del keys, d
+        del keys, keys_e, lk, d, d_lazy
     bar.close()
 
     med = {k: statistics.median(v) for k, v in t.items()}
@@ -355,6 +406,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "route_p99_us": round(route_p99, 1),
         "route_followup_p50_us": round(med["f_route"], 1),
         "route_followup_p99_us": round(_percentile(t["f_route"], 0.99), 1),
+        "route_by_prompt_p50_us": {
+            "resent": round(med["kind0"], 1),
+            "new_conversation": round(med["kind1"], 1),
+            "novel": round(med["kind2"], 1),
+        },
+        "blocks_keyed_before_decision_mean": round(statistics.fmean(keyed), 1),
+        "keys_rest_p50_us": round(med["rest"], 1),
+        "keys_rest_followup_p50_us": round(med["f_rest"], 1),
+        "route_eager_p50_us": round(med["e_route"], 1),
+        "route_eager_p99_us": round(_percentile(t["e_route"], 0.99), 1),
+        "route_followup_eager_p50_us": round(med["f_e_route"], 1),
+        "route_followup_eager_p99_us": round(_percentile(t["f_e_route"], 0.99), 1),
+        "lazy_vs_eager_p50": round(med["route"] / med["e_route"], 3),
+        "lazy_vs_eager_followup_p50": round(med["f_route"] / med["f_e_route"], 3),
         "decide_p50_us": round(med["decide"], 1),
         "decide_p99_us": round(_percentile(t["decide"], 0.99), 1),
         "decide_followup_p50_us": round(med["f_decide"], 1),
@@ -392,10 +457,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         {"metric": "P1 follow-up: ids -> worker p50 (us)",
          "value": result["route_followup_p50_us"], "target": f"<= {P1_FOLLOWUP_P50_US:g}",
          "ok": checks["route_followup_p50_us"]},
-        {"metric": "  keys, cold / follow-up p50 (us)",
+        {"metric": "  by prompt p50: resent / new conv. / novel (us)",
+         "value": " / ".join(str(v) for v in result["route_by_prompt_p50_us"].values()),
+         "target": "-", "ok": "-"},
+        {"metric": "  eager keys (old path), cold p50 / p99 / follow-up p50 (us)",
+         "value": f"{result['route_eager_p50_us']} / {result['route_eager_p99_us']} / "
+                  f"{result['route_followup_eager_p50_us']}", "target": "-", "ok": "-"},
+        {"metric": "  rest of the keys after the decision, cold / follow-up p50 (us)",
+         "value": f"{result['keys_rest_p50_us']} / {result['keys_rest_followup_p50_us']}",
+         "target": "-", "ok": "-"},
+        {"metric": "  eager keys, cold / follow-up p50 (us)",
          "value": f"{result['keys_p50_us']} / {result['keys_followup_p50_us']}",
          "target": "-", "ok": "-"},
-        {"metric": "  decision, cold / follow-up p50 (us)",
+        {"metric": "  decision over eager keys, cold / follow-up p50 (us)",
          "value": f"{result['decide_p50_us']} / {result['decide_followup_p50_us']}",
          "target": "-", "ok": "-"},
         {"metric": "  baseline: ids -> array p50 (us)",
