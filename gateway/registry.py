@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -23,6 +23,8 @@ from gateway.circuit import Circuit, CircuitState
 from gateway.config import CircuitSettings
 from gateway.contract.wire import WorkerInfo
 from gateway.pool import Pool
+from gateway.routing.policy import Decision
+from gateway.trust import TrustBook
 
 __all__ = ["Registry", "WorkerEntry", "check_upstream_url"]
 
@@ -104,6 +106,10 @@ class Registry:
         self.workers: dict[str, WorkerEntry] = {}
         self._unhealthy: set[str] = set()  # workers whose circuit is not closed or probe failed
         self.rejected: dict[str, str] = {}  # registrations refused, and why
+        #: whose index entries to believe, and the precision measured per worker
+        self.trust = TrustBook()
+        #: called with (pool, worker, predicted, agreed) tokens of each served request
+        self.on_precision: Callable[[str, str, int, int], None] | None = None
 
     # -- pools ------------------------------------------------------------------------------
 
@@ -192,12 +198,23 @@ class Registry:
         pool.router_for(info.role if info else "").add_worker(wid)
 
     def _remove(self, wid: str) -> None:
+        self.trust.forget(wid)
         entry = self.workers.pop(wid, None)
         if entry is not None:
             entry.pool.router_for(entry.role).remove_worker(wid)
         self._unhealthy.discard(wid)
 
     # -- health -----------------------------------------------------------------------------
+
+    def observe(self, pool: str, decision: Decision, cached: int | None, now: float) -> None:
+        """A served request: the tokens the index predicted cached against the ``cached``
+        tokens the engine reported reusing (None: it reported no usage, nothing to learn)."""
+        if cached is None:
+            return
+        wid, predicted = decision.worker, decision.matched_tokens
+        agreed = self.trust.observe(wid, predicted, cached, now)
+        if self.on_precision is not None:
+            self.on_precision(pool, wid, predicted, agreed)
 
     def exclude(self, pool: Pool, now: float, also: Iterable[str] = ()) -> frozenset[str]:
         """Workers of ``pool`` not to route to now (open circuits, failed probes) + ``also``."""
