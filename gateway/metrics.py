@@ -90,13 +90,13 @@ class GatewayMetrics:
         self.antientropy_mismatches = Counter(
             "kvroute_antientropy_mismatches",
             "Index found different from the agent's stamped digest at the same stream position",
-            ["worker"],
+            pw,
             registry=r,
         )
         self.antientropy_resyncs = Counter(
             "kvroute_antientropy_resyncs",
             "Workers re-bootstrapped from snapshot after a digest mismatch",
-            ["worker"],
+            pw,
             registry=r,
         )
         self.completion_tokens = Counter(

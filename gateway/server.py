@@ -186,7 +186,8 @@ class Gateway:
         if kind in ("mismatch", "resync"):
             m = self.metrics
             c = m.antientropy_mismatches if kind == "mismatch" else m.antientropy_resyncs
-            c.labels(worker).inc()
+            entry = self.registry.workers.get(worker)
+            c.labels(entry.pool.name if entry is not None else "", worker).inc()
             self._update_trust(self.clock())  # at once: requests routed now must know
             return
         if kind == "report":
