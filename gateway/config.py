@@ -12,6 +12,7 @@ from typing import Any
 
 from gateway.contract.settings import ConfigError
 from gateway.routing.costmodel import CostParams
+from gateway.trust import TrustSettings
 
 __all__ = ["GatewayConfig", "PoolSettings", "RequestLogSettings"]
 
@@ -201,6 +202,8 @@ class GatewayConfig:
     security: SecuritySettings = field(default_factory=SecuritySettings)
     log: LogSettings = field(default_factory=LogSettings)
     request_log: RequestLogSettings = field(default_factory=RequestLogSettings)
+    #: anti-entropy and precision: which workers' index entries routing believes
+    trust: TrustSettings = field(default_factory=TrustSettings)
     #: headers carrying a session id, first present wins (the ``session`` policy's key)
     session_headers: list[str] = field(
         default_factory=lambda: ["x-session-affinity", "x-session-id"]

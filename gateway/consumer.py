@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from gateway.antientropy import AntiEntropy
 from gateway.contract.bus import BusError, EventBus, wait_event
 from gateway.contract.wire import (
     Cleared,
@@ -205,6 +206,8 @@ class ConsumerConfig:
     expiry_grace: float = 3.0  # after (re)connecting, wait this long before expiring workers
     backoff_min: float = 0.05
     backoff_max: float = 2.0
+    #: compare the index with the digests agents stamp on entries; resync on a mismatch
+    antientropy: bool = True
 
 
 @dataclass
@@ -223,7 +226,8 @@ class ConsumerStats:
     apply: ApplyStats = field(default_factory=ApplyStats)
 
 
-#: listener(kind, worker) with kind in "added", "removed", "updated", "report".
+#: listener(kind, worker) with kind in "added", "removed", "updated", "report", and
+#: "mismatch" / "resync" (anti-entropy found the worker's index wrong / healed it).
 Listener = Callable[[str, str], None]
 EntryHook = Callable[[str, Entry, float], None]
 
@@ -246,6 +250,7 @@ class Consumer:
         self.index = index if index is not None else ShadowIndex()
         self.config = config or ConsumerConfig()
         self.applier = StreamApplier(self.index)
+        self.antientropy = AntiEntropy(self.index)
         self.stats = ConsumerStats(apply=self.applier.stats)
         self.changed = asyncio.Event()
         self._on_entry = on_entry
@@ -268,6 +273,19 @@ class Consumer:
 
     def report(self, worker: str) -> EngineReport | None:
         return self._reports.get(worker)
+
+    def distrust(self) -> dict[str, str]:
+        """Workers whose stream is not to be trusted now, with why: a digest mismatch not
+        yet resynced, or a gap waiting for a covering snapshot."""
+        out: dict[str, str] = {}
+        for w in self._infos:
+            cur = self.applier.cursors.get(w)
+            at = self.antientropy.mismatched.get(w)
+            if at is not None and cur is not None and cur.epoch == at[0]:
+                out[w] = "digest_mismatch"
+            elif cur is not None and cur.waiting:
+                out[w] = "stream_gap"
+        return out
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -344,10 +362,26 @@ class Consumer:
                     self._record_lag(now, entry)
                     if hook is not None:
                         hook(r.worker, entry, now)
+                    if self.config.antientropy and not self.antientropy.check(r.worker, entry):
+                        self._mismatch(r.worker, entry)
+                        break
                 elif result in (Applied.GAP, Applied.CORRUPT):
                     self._pending.add(r.worker)
                     break
         return True
+
+    def _mismatch(self, worker: str, entry: Entry) -> None:
+        """The index disagrees with the agent's digest: stop applying, resync from snapshot."""
+        log.warning(
+            "index of %s differs from its agent's digest at (%d, %d): resyncing from snapshot",
+            worker,
+            entry.epoch,
+            entry.seq,
+        )
+        self.applier.cursor(worker).waiting = True
+        self._pending.add(worker)
+        self._retry_at.pop(worker, None)
+        self._emit("mismatch", worker)
 
     def _record_lag(self, now: float, entry: Entry) -> None:
         if entry.ts > 0:
@@ -365,6 +399,7 @@ class Consumer:
             cur = self.applier.cursors.get(worker)
             if cur is not None and not cur.waiting:  # a new epoch from seq 1 closed the gap
                 self._pending.discard(worker)
+                self.antientropy.forget(worker)
                 continue
             if self._retry_at.get(worker, 0.0) > now:
                 continue
@@ -376,10 +411,13 @@ class Consumer:
         snap = await self.bus.read_snapshot(worker)
         cur = self.applier.cursors.get(worker)
         fresh = cur is None
-        if fresh or self.applier.covers(worker, snap):
+        heals = snap is not None and self.antientropy.heals(worker, snap.epoch, snap.seq)
+        if fresh or heals or self.applier.covers(worker, snap):
             self.applier.bootstrap(worker, snap)
             if not fresh:
                 self.stats.resyncs += 1
+            if self.antientropy.healed(worker):
+                self._emit("resync", worker)
             self._pending.discard(worker)
             self._retry_at.pop(worker, None)
             return
@@ -423,6 +461,7 @@ class Consumer:
                 self._reports.pop(w, None)
                 self._pending.discard(w)
                 self.applier.forget(w)
+                self.antientropy.forget(w)
                 self.stats.workers_expired += 1
                 self._emit("removed", w)
                 changed = True

@@ -80,6 +80,39 @@ class GatewayMetrics:
             pw,
             registry=r,
         )
+        self.agreed_cached = Counter(
+            "kvroute_agreed_cached_tokens",
+            "Per request min(predicted matched, reported cached) tokens: a worker's precision "
+            "is this over kvroute_predicted_matched_tokens, exact per request",
+            pw,
+            registry=r,
+        )
+        self.precision = Gauge(
+            "kvroute_worker_precision",
+            "Recent agreed/predicted cached tokens per worker (decayed; -1: no predictions)",
+            pw,
+            multiprocess_mode="min",
+            registry=r,
+        )
+        self.trusted = Gauge(
+            "kvroute_worker_trusted",
+            "1 if routing believes the worker's index entries (0: routed by load alone)",
+            pw,
+            multiprocess_mode="min",
+            registry=r,
+        )
+        self.antientropy_mismatches = Counter(
+            "kvroute_antientropy_mismatches",
+            "Index found different from the agent's stamped digest at the same stream position",
+            pw,
+            registry=r,
+        )
+        self.antientropy_resyncs = Counter(
+            "kvroute_antientropy_resyncs",
+            "Workers re-bootstrapped from snapshot after a digest mismatch",
+            pw,
+            registry=r,
+        )
         self.completion_tokens = Counter(
             "kvroute_completion_tokens", "Completion tokens reported in usage", pw, registry=r
         )

@@ -71,6 +71,10 @@ class Usage:
 USAGE = web.RequestKey("usage", Usage)  # the response's usage, once read
 
 
+def _cached(usage: Usage | None) -> int | None:
+    return None if usage is None else usage.cached_tokens
+
+
 def parse_usage(obj: Any) -> Usage | None:
     """Usage from an OpenAI body/chunk (``usage``), a Responses one (``usage`` with
     ``input_tokens``, or under ``response``), an Anthropic one (``usage`` with
@@ -228,6 +232,7 @@ class Proxy:
                     now,
                     session_key=session_key,
                     exclude=exclude,
+                    untrusted=self.registry.trust.untrusted,
                     adapter=prep.adapter,
                 )
                 decode = None
@@ -235,6 +240,7 @@ class Proxy:
                     decode = pool.decode_router.route(
                         prep.keys, prep.prompt_tokens, now, session_key=session_key,
                         exclude=exclude, adapter=prep.adapter,
+                        untrusted=self.registry.trust.untrusted,
                     )  # fmt: skip
             except NoCandidates:
                 break
@@ -259,6 +265,7 @@ class Proxy:
                 self.metrics.retries.labels(pool.name, failed, exc.cause).inc()
                 log.info("retrying request away from %s: %s", failed, exc)
                 continue
+            self.registry.observe(pool.name, decision, _cached(request.get(USAGE)), self.clock())
             if self.request_log is not None:
                 self._log_request(
                     request, pool, prep, decision, exclude, session_key, now, response

@@ -26,6 +26,8 @@ from gateway.circuit import Circuit, CircuitState
 from gateway.config import CircuitSettings
 from gateway.contract.wire import WorkerInfo
 from gateway.pool import Pool
+from gateway.routing.policy import Decision
+from gateway.trust import TrustBook
 
 __all__ = ["Registry", "WorkerEntry", "check_upstream_url"]
 
@@ -122,6 +124,10 @@ class Registry:
         #: refusals found after a registration was accepted (its engine's tokenizer differs),
         #: per worker: (the agent run's epoch, reason code, why); a new run is judged afresh
         self._vetoed: dict[str, tuple[int, str, str]] = {}
+        #: whose index entries to believe, and the precision measured per worker
+        self.trust = TrustBook()
+        #: called with (pool, worker, predicted, agreed) tokens of each served request
+        self.on_precision: Callable[[str, str, int, int], None] | None = None
 
     # -- pools ------------------------------------------------------------------------------
 
@@ -258,12 +264,23 @@ class Registry:
         pool.router_for(info.role if info else "").add_worker(wid)
 
     def _remove(self, wid: str) -> None:
+        self.trust.forget(wid)
         entry = self.workers.pop(wid, None)
         if entry is not None:
             entry.pool.router_for(entry.role).remove_worker(wid)
         self._unhealthy.discard(wid)
 
     # -- health -----------------------------------------------------------------------------
+
+    def observe(self, pool: str, decision: Decision, cached: int | None, now: float) -> None:
+        """A served request: the tokens the index predicted cached against the ``cached``
+        tokens the engine reported reusing (None: it reported no usage, nothing to learn)."""
+        if cached is None:
+            return
+        wid, predicted = decision.worker, decision.matched_tokens
+        agreed = self.trust.observe(wid, predicted, cached, now)
+        if self.on_precision is not None:
+            self.on_precision(pool, wid, predicted, agreed)
 
     def exclude(self, pool: Pool, now: float, also: Iterable[str] = ()) -> frozenset[str]:
         """Workers of ``pool`` not to route to now (open circuits, failed probes) + ``also``."""

@@ -35,7 +35,7 @@ from gateway.apis import APIS, Api
 from gateway.cache_reset import ResetTarget, reset_caches
 from gateway.circuit import CircuitState
 from gateway.config import ApiKey, GatewayConfig
-from gateway.consumer import Consumer
+from gateway.consumer import Consumer, ConsumerConfig
 from gateway.contract.bus import EventBus
 from gateway.contract.fingerprint import seed_fingerprint
 from gateway.contract.wire import key_digest
@@ -51,6 +51,7 @@ from gateway.routing.index import ShadowIndex
 from gateway.session import SessionKeys
 from gateway.tokencheck import check_engine_tokenizer
 from gateway.tokenization import Tokenizer
+from gateway.trust import TrustBook
 
 __all__ = ["Gateway", "build_app", "build_metrics_app"]
 
@@ -110,13 +111,19 @@ class Gateway:
             on_reject=lambda reason: self.metrics.worker_rejected.labels(reason).inc(),
         )
         self.registry.add_static()
+        self.registry.trust = TrustBook(cfg.trust)
+        self.registry.on_precision = self._on_precision
         self.proxy = Proxy(cfg.proxy, self.registry, self.metrics)
         if cfg.request_log.path:
             self.proxy.request_log = RequestLog(cfg.request_log, cfg.index.hash_seed, self.metrics)
         self.admission = Admission(
             cfg.limits.max_concurrency, cfg.limits.queue_size, cfg.limits.queue_timeout
         )
-        self.consumer = Consumer(self.bus, self.index) if self.bus is not None else None
+        self.consumer = (
+            Consumer(self.bus, self.index, ConsumerConfig(antientropy=cfg.trust.antientropy))
+            if self.bus is not None
+            else None
+        )
         self._clients = {
             k.key: _Client(
                 k,
@@ -182,8 +189,25 @@ class Gateway:
 
     # -- background -------------------------------------------------------------------------
 
+    def _on_precision(self, pool: str, worker: str, predicted: int, agreed: int) -> None:
+        self.metrics.agreed_cached.labels(pool, worker).inc(agreed)
+
+    def _update_trust(self, now: float) -> None:
+        stream = self.consumer.distrust() if self.consumer is not None else {}
+        before = self.registry.trust.why
+        after = self.registry.trust.update(stream, now)
+        if after != before:
+            log.info("untrusted workers (routed by load alone): %s", after or "none")
+
     def _on_bus_change(self, kind: str, worker: str) -> None:
         assert self.consumer is not None
+        if kind in ("mismatch", "resync"):
+            m = self.metrics
+            c = m.antientropy_mismatches if kind == "mismatch" else m.antientropy_resyncs
+            entry = self.registry.workers.get(worker)
+            c.labels(entry.pool.name if entry is not None else "", worker).inc()
+            self._update_trust(self.clock())  # at once: requests routed now must know
+            return
         if kind == "report":
             rep = self.consumer.report(worker)
             entry = self.registry.workers.get(worker)
@@ -273,9 +297,14 @@ class Gateway:
 
     def _update_gauges(self, now: float) -> None:
         m = self.metrics
+        self._update_trust(now)
+        trust = self.registry.trust
         counts = self.index.block_counts()
         for wid, e in self.registry.workers.items():
             pool = e.pool.name
+            m.trusted.labels(pool, wid).set(0 if wid in trust.why else 1)
+            precision = trust.precision(wid, now)
+            m.precision.labels(pool, wid).set(-1.0 if precision is None else precision)
             m.circuit.labels(pool, wid).set(_circuit_value(e.circuit.state))
             m.healthy.labels(pool, wid).set(1 if self.registry.healthy(wid, now) else 0)
             m.index_blocks.labels(pool, wid).set(counts.get(wid, 0))
@@ -313,7 +342,8 @@ class Gateway:
         m = self.metrics
         if m.multiprocess():
             return
-        for gauge in (m.circuit, m.healthy, m.index_blocks, m.kv_usage, m.worker_info):
+        gauges = (m.circuit, m.healthy, m.index_blocks, m.kv_usage, m.worker_info, m.trusted)
+        for gauge in (*gauges, m.precision):
             for labels in list(gauge._metrics):  # the registry keeps label sets forever otherwise
                 if len(labels) > 1 and labels[1] == wid:
                     with contextlib.suppress(KeyError):
@@ -596,6 +626,7 @@ class Gateway:
         self.authorize_admin(request)
         now = self.clock()
         counts = self.index.block_counts()
+        trust = self.registry.trust
         out = []
         for wid, e in sorted(self.registry.workers.items()):
             loads = e.pool.router_for(e.role).loads
@@ -625,6 +656,9 @@ class Gateway:
                         "ts": rep.ts,
                     },
                     "index_blocks": counts.get(wid, 0),
+                    "trusted": wid not in trust.why,
+                    "why": trust.why.get(wid),
+                    "precision": trust.precision(wid, now),
                     "engine": e.info.engine if e.info else None,
                     "engine_block_size": e.info.engine_block_size if e.info else None,
                     "kv_capacity_blocks": e.info.kv_capacity_blocks if e.info else None,

@@ -32,6 +32,7 @@ from gateway.contract.fingerprint import seed_fingerprint
 from gateway.contract.wire import Cleared, EngineReport, WorkerInfo, key_digest
 from gateway.routing.keys import BlockKeyer
 from worker_agent.adapters import ServedAdapters
+from worker_agent.antientropy import DigestingBus, digest_loop
 from worker_agent.config import AgentConfig
 from worker_agent.engines import adapter_for
 from worker_agent.engines.base import (
@@ -79,6 +80,7 @@ class Domain:
     publisher: Publisher
     pipeline: EventPipeline
     capacity: _Capacity
+    digests: DigestingBus  # the publisher's bus: stamps the mirror's digest (anti-entropy)
 
 
 class Agent:
@@ -94,8 +96,9 @@ class Agent:
         self.adapter: EngineAdapter = adapter_for(config.engine.kind)
         self.keyer = BlockKeyer(config.hash_seed, config.block_size)
         self.epoch = time.time_ns() // 1000  # microseconds: a later start has a larger epoch
+        self._digests = DigestingBus(bus, self._parents)
         self.publisher = Publisher(
-            bus, config.worker_id, self.epoch, self._parents, self.metrics, config.publish
+            self._digests, config.worker_id, self.epoch, self._parents, self.metrics, config.publish
         )
         self.pipeline: EventPipeline | None = None  # the first domain's
         self.domains: list[Domain] = []
@@ -126,11 +129,12 @@ class Agent:
         for r in ranks if len(ranks) > 1 else [None]:
             built: list[EventPipeline] = []  # the snapshot source, once built
             if r is None:
-                wid, pub = cfg.worker_id, self.publisher
+                wid, pub, digests = cfg.worker_id, self.publisher, self._digests
             else:
                 wid = rank_worker_id(cfg.worker_id, r)
+                digests = DigestingBus(self.bus, _parents_of(built))
                 pub = Publisher(
-                    self.bus,
+                    digests,
                     wid,
                     self.epoch,
                     _parents_of(built),
@@ -145,7 +149,7 @@ class Agent:
                 gpu_media=self.adapter.gpu_media,
             )
             built.append(pipeline)
-            self.domains.append(Domain(wid, r, pub, pipeline, _Capacity()))
+            self.domains.append(Domain(wid, r, pub, pipeline, _Capacity(), digests))
         self.pipeline = self.domains[0].pipeline
         self.publisher = self.domains[0].publisher
 
@@ -185,6 +189,7 @@ class Agent:
             tasks.append(self._spawn("heartbeat", self._heartbeat_loop))
             tasks.append(self._spawn("load", self._report_loop))
             tasks.append(self._spawn("adapters", self._adapters_loop))
+            tasks.append(self._spawn("digests", self._digest_loop))
             if cfg.metrics_port is not None:
                 runner = await self._serve_metrics()
             await self._wait_ready(stop)
@@ -328,6 +333,14 @@ class Agent:
             started_at=self.epoch / 1e6,
             adapters=self.adapters.names,
             seed_fingerprint=seed_fingerprint(cfg.hash_seed),
+        )
+
+    async def _digest_loop(self) -> None:
+        first = self.subscribers[0].source.rank if self.subscribers else 0
+        await digest_loop(
+            [(d.publisher, d.digests, first if d.rank is None else d.rank) for d in self.domains],
+            self.config.digest_interval,
+            lambda: self._stopping,
         )
 
     async def _adapters_loop(self) -> None:

@@ -56,6 +56,8 @@ class AgentConfig:
     registration_ttl: float = 3.0
     report_interval: float = 0.25  # load reports (the gateway wants ≤ 0.5 s)
     adapters_interval: float = 5.0  # polls of the engine's /v1/models (LoRA adapters served)
+    #: anti-entropy: stamp the mirror's digest on an entry (and snapshot) this often; 0: off
+    digest_interval: float = 5.0
     metrics_port: int | None = None  # serve the agent's /metrics here
     metrics_host: str = "0.0.0.0"
     log_level: str = "INFO"

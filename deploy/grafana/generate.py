@@ -298,6 +298,43 @@ def panels() -> list[dict[str, Any]]:
         24,
         7,
     )
+    agreed = ("kvroute_agreed_cached_tokens_total", "kvroute_predicted_matched_tokens_total")
+    L.add(
+        timeseries(
+            "Index precision per worker",
+            targets((hit_ratio(*agreed, "pool, worker", SEL), "{{worker}}")),
+            "percentunit",
+            "Per request min(predicted, engine-reported cached tokens), summed, over predicted "
+            "tokens: the share of the index's claims the engine confirmed. Exact per worker "
+            "(an under-claim never hides an over-claim). Below trust.min_precision the worker "
+            "is routed by load alone.",
+            maximum=1,
+        ),
+        12,
+        8,
+    )
+    L.add(
+        timeseries(
+            "Anti-entropy resyncs and untrusted workers",
+            targets(
+                (
+                    f"sum by (worker) (increase(kvroute_antientropy_resyncs_total{{{SEL}}}[5m]))",
+                    "{{worker}} resyncs",
+                ),
+                (
+                    f"count by (worker) (min by (pool, worker) "
+                    f"(kvroute_worker_trusted{{{SEL}}}) == 0)",
+                    "{{worker}} untrusted",
+                ),
+            ),
+            "short",
+            "Resyncs: a worker's index differed from its agent's digest at the same stream "
+            "position and was re-bootstrapped from snapshot. Untrusted: routed by load alone "
+            "(digest mismatch, stream gap or low precision; /workers says why).",
+        ),
+        12,
+        8,
+    )
 
     L.row("Latency")
     L.add(

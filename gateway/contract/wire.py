@@ -49,6 +49,14 @@ class Cleared(msgspec.Struct, array_like=True, tag=2, frozen=True):
 Event = Stored | Removed | Cleared
 
 
+class Digest(msgspec.Struct, array_like=True, frozen=True):
+    """The writer's whole key set after the entry that carries it (anti-entropy): its size
+    and ``key_digest``. A reader that has applied that entry compares its own."""
+
+    blocks: int
+    digest: str
+
+
 class Entry(msgspec.Struct, array_like=True):
     """One stream entry: a batch of canonical events from one agent run (epoch).
 
@@ -65,6 +73,7 @@ class Entry(msgspec.Struct, array_like=True):
     pts: float
     eseq: list[tuple[int, int, int]]
     events: list[Event]
+    digest: Digest | None = None
 
 
 class Snapshot(msgspec.Struct, array_like=True):
@@ -87,6 +96,8 @@ _snap_dec = msgspec.msgpack.Decoder(Snapshot)
 
 
 def encode_entry(entry: Entry) -> bytes:
+    if entry.digest is None:  # the 7 items of the original layout, byte for byte
+        return _entry_enc.encode(msgspec.structs.astuple(entry)[:-1])
     return _entry_enc.encode(entry)
 
 

@@ -83,13 +83,16 @@ class PoolView:
         loads: LoadTracker,
         levels: list[tuple[int, list[str]]],
         exclude: frozenset[str] = frozenset(),
+        untrusted: frozenset[str] = frozenset(),
     ) -> None:
         self.loads = loads
         self.exclude = exclude
-        #: [(matched blocks, eligible workers)], longest first (ShadowIndex.match_levels)
+        #: [(matched blocks, eligible workers)], longest first (ShadowIndex.match_levels);
+        #: ``untrusted`` workers stay eligible but show no match: they compete on load alone
         members = loads.members()
-        if exclude:
-            levels = [(n, [w for w in ws if w not in exclude]) for n, ws in levels]
+        hidden = exclude | untrusted
+        if hidden:
+            levels = [(n, [w for w in ws if w not in hidden]) for n, ws in levels]
         self.levels = [
             (n, ws if all(map(members.__contains__, ws)) else [w for w in ws if w in members])
             for n, ws in levels

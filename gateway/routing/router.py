@@ -104,6 +104,7 @@ class Router:
         *,
         session_key: str | None = None,
         exclude: Iterable[str] = (),
+        untrusted: Iterable[str] = (),
         dry_run: bool = False,
         explain: bool = False,
         adapter: str | None = None,
@@ -116,6 +117,8 @@ class Router:
         ``index.settle()``), so the rest is not on the decision's latency.
 
         ``exclude``: workers not to use for this request (unhealthy, or already tried).
+        ``untrusted``: workers whose index entries are not to be believed (their stream is
+        being repaired, or their measured precision is low): candidates by load alone.
         ``adapter``: the LoRA adapter asked for (``keys`` on its chain): only workers serving
         it are candidates, and those without it loaded pay its load in the cost model.
         ``dry_run``: no speculative insert (stateful baselines such as round robin still
@@ -127,7 +130,7 @@ class Router:
         excluded = frozenset(exclude)
         if adapter is not None:
             excluded |= self.adapters.not_serving(adapter)
-        pool = PoolView(self.loads, levels, excluded)
+        pool = PoolView(self.loads, levels, excluded, frozenset(untrusted))
         if not pool.workers:
             raise NoCandidates("no healthy worker")
         if adapter is not None:
