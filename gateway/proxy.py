@@ -265,7 +265,9 @@ class Proxy:
                 self.metrics.retries.labels(pool.name, failed, exc.cause).inc()
                 log.info("retrying request away from %s: %s", failed, exc)
                 continue
-            self.registry.observe(pool.name, decision, _cached(request.get(USAGE)), self.clock())
+            # the usage is the answering worker's (a pair's decode half): judge its prediction
+            served = decode or decision
+            self.registry.observe(pool.name, served, _cached(request.get(USAGE)), self.clock())
             if self.request_log is not None:
                 self._log_request(
                     request, pool, prep, decision, exclude, session_key, now, response
