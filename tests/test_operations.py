@@ -447,7 +447,12 @@ def test_registry_refuses_by_reason_counts_once_and_drops_a_worker_that_turns_ba
     from gateway.routing.router import Router
 
     router = Router(make_policy("round_robin"), 16)
-    pool = SimpleNamespace(settings=SimpleNamespace(model="m", aliases=[]), router=router)
+    pool = SimpleNamespace(
+        settings=SimpleNamespace(model="m", aliases=[]),
+        router=router,
+        decode_router=router,
+        router_for=lambda role: router,
+    )
     reasons: list[str] = []
     ours = seed_fingerprint("seed")
     reg = Registry(
