@@ -393,7 +393,9 @@ def test_compare_on_data_parallel_workers(tmp_path: Path) -> None:
     for r in rows.values():
         assert "error" not in r and r["failed"] == 0, r
     assert set(rows["kvroute"]["per_worker"]) == {"worker-0.dp0", "worker-0.dp1"}
-    assert rows["kvroute"]["hit_rate"] > rows["smg-round_robin"]["hit_rate"]
+    # Q7: near the pooled bound (with 2 ranks the engine's own balancer can come close too)
+    kv = rows["kvroute"]
+    assert kv["hit_rate"] >= 0.9 * kv["bound_hit_rate"], kv
     assert report["config"]["dp_size"] == 2
 
 
