@@ -139,11 +139,25 @@ def index_matches_engines(stack: Stack) -> bool:
     return True
 
 
+def idle(stack: Stack) -> bool:
+    """The gateway sees every worker idle and trusted (nothing in flight, its engine's last
+    report empty), so a decision depends on the index alone: on a loaded CPU a stale report
+    of the previous request would otherwise tip a follow-up elsewhere."""
+    for w in stack.workers():
+        rep = w["engine_report"] or {}
+        if w["inflight"] or w["load"]["running"] or w["load"]["queued_prefill_tokens"]:
+            return False
+        if rep.get("running") or rep.get("waiting") or not w["trusted"]:
+            return False
+    return True
+
+
 def converge(stack: Stack) -> None:
     assert wait_for(lambda: index_matches_engines(stack), 30) is not None, (
         stack.index(),
         [stack.mirror(i) for i in range(stack.config.workers)],
     )
+    assert wait_for(lambda: idle(stack), 30) is not None, stack.workers()
 
 
 def chat_turns(
