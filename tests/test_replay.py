@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from chat_helpers import WORDS
 
 from gateway.config import RequestLogSettings
 from gateway.proxy import Usage
@@ -31,23 +32,6 @@ from loadtest.clustersim import ClusterConfig
 from loadtest.clustersim import simulate as run_sim
 from loadtest.replay import LogFormatError, block_tokens, read_log, simulated_decisions
 from loadtest.stack import Stack, StackConfig, wait_for
-
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "epsilon",
-    "zeta",
-    "eta",
-    "theta",
-    "iota",
-    "kappa",
-    "lambda",
-    "mu",
-    "nu",
-    "xi",
-]
 
 
 def write_log(path: Path, rows: list[tuple[list[int], int, str]], pool: str = "m") -> None:
