@@ -1,17 +1,34 @@
 """``RedisBus``: the event bus on Redis Streams (redis-py asyncio, RESP2).
 
 The key layout is ``gateway.contract.wire.RedisLayout`` (docs/protocol.md, "Redis keys").
-Appends are pipelined (one round trip per batch); reads use one XREAD over all streams.
-``rediss://`` URLs use TLS; a password in the URL (or ``password=``) sends AUTH.
+Appends are pipelined (one round trip per batch). ``rediss://`` URLs use TLS; a password in
+the URL (or ``password=``) sends AUTH.
+
+Three ways to reach Redis, chosen at construction:
+
+* one node (``url``): reads are one blocking XREAD over all streams;
+* Redis Cluster (``cluster=True``, ``url`` names any node): redis-py's ``RedisCluster``
+  follows the slot map and its changes after a failover. A worker's keys share a hash tag,
+  so every command touches one slot, except reads: Redis refuses a multi-key command across
+  slots (even on one node), so a read is one non-blocking XREAD per stream, pipelined per
+  node with all nodes at once, and an empty round is retried every ``cluster_poll_ms``
+  until ``block_ms`` is up;
+* Sentinel (``sentinels=["host:port", ...]``, ``sentinel_master``): the sentinels name the
+  primary on every new connection, so after a failover the next reconnect reaches the new
+  primary (a failed command raises ``BusError`` and the caller retries).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import Sentinel
+from redis.exceptions import RedisClusterException, RedisError
 
 from gateway.contract.bus import BusError, EventBus, StreamRead
 from gateway.contract.wire import (
@@ -31,7 +48,10 @@ from gateway.contract.wire import (
     try_decode_entry,
 )
 
-__all__ = ["RedisBus"]
+__all__ = ["RedisBus", "parse_sentinels"]
+
+#: what a failed or refused command raises (cluster slot-map errors are not RedisErrors)
+_ERRORS = (RedisError, RedisClusterException, OSError)
 
 
 class RedisBus(EventBus):
@@ -50,22 +70,45 @@ class RedisBus(EventBus):
         max_stream_len: int | None = 1_000_000,
         socket_timeout: float = 5.0,
         connect_timeout: float = 2.0,
+        cluster: bool = False,
+        sentinels: Sequence[str] = (),
+        sentinel_master: str = "",
+        cluster_poll_ms: float = 10.0,
         **kwargs: Any,
     ) -> None:
         self.layout = RedisLayout(prefix)
         self.max_stream_len = max_stream_len
+        self.cluster = cluster
+        self.cluster_poll_ms = cluster_poll_ms
         opts: dict[str, Any] = {
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": connect_timeout,
-            "health_check_interval": 10,
-            "retry_on_timeout": False,
             **kwargs,
         }
         if password is not None:
             opts["password"] = password
-        self._r: aioredis.Redis = aioredis.Redis.from_url(url, **opts)
-        # XREAD BLOCK holds its connection: give blocking reads their own client.
-        self._reader: aioredis.Redis = aioredis.Redis.from_url(url, **opts)
+        self._r: Any
+        self._reader: Any
+        if cluster and sentinels:
+            raise ValueError("redis: cluster and sentinels exclude each other")
+        if cluster:
+            # one client: a read is many short XREADs, none holds a connection
+            self._r = self._reader = RedisCluster.from_url(url, **opts)
+        elif sentinels:
+            if not sentinel_master:
+                raise ValueError("redis: sentinels need sentinel_master (the primary's name)")
+            sentinel = Sentinel(
+                parse_sentinels(sentinels),
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=connect_timeout,
+            )
+            self._r = sentinel.master_for(sentinel_master, **opts)
+            self._reader = sentinel.master_for(sentinel_master, **opts)
+        else:
+            opts.update(health_check_interval=10, retry_on_timeout=False)
+            self._r = aioredis.Redis.from_url(url, **opts)
+            # XREAD BLOCK holds its connection: give blocking reads their own client.
+            self._reader = aioredis.Redis.from_url(url, **opts)
 
     # -- streams ----------------------------------------------------------------------------
 
@@ -83,7 +126,7 @@ class RedisBus(EventBus):
                         approximate=True,
                     )
                 ids = await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"XADD to {key} failed: {exc}") from exc
         return [_s(i) for i in ids]
 
@@ -94,8 +137,11 @@ class RedisBus(EventBus):
             return []
         streams = {self.layout.stream(w): pos for w, pos in positions.items()}
         try:
-            reply: Any = await self._reader.xread(streams, count=count, block=block_ms)  # type: ignore[arg-type]
-        except (RedisError, OSError) as exc:
+            if self.cluster:
+                reply = await self._read_cluster(streams, count, block_ms)
+            else:
+                reply = await self._reader.xread(streams, count=count, block=block_ms)
+        except _ERRORS as exc:
             raise BusError(f"XREAD failed: {exc}") from exc
         out = []
         for key, items in reply or []:
@@ -103,16 +149,32 @@ class RedisBus(EventBus):
             out.append(StreamRead(self.layout.stream_worker(_s(key)), entries))
         return out
 
+    async def _read_cluster(
+        self, streams: dict[str, str], count: int, block_ms: int | None
+    ) -> list[Any]:
+        """Per-stream XREADs (one slot each), polled until data or ``block_ms`` is up."""
+        deadline = time.monotonic() + (block_ms or 0) / 1000
+        while True:
+            async with self._reader.pipeline(transaction=False) as pipe:
+                for key, pos in streams.items():
+                    pipe.xread({key: pos}, count=count)
+                replies = await pipe.execute()
+            out = [item for reply in replies if reply for item in reply]
+            left = deadline - time.monotonic()
+            if out or left <= 0:
+                return out
+            await asyncio.sleep(min(self.cluster_poll_ms / 1000, left))
+
     async def trim(self, worker: str, min_id: str) -> None:
         try:
             await self._r.xtrim(self.layout.stream(worker), minid=min_id, approximate=True)
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"XTRIM failed: {exc}") from exc
 
     async def stream_bytes(self, worker: str) -> int:
         try:
             return int(await self._r.memory_usage(self.layout.stream(worker), samples=0) or 0)
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"MEMORY USAGE failed: {exc}") from exc
 
     # -- snapshots --------------------------------------------------------------------------
@@ -120,13 +182,13 @@ class RedisBus(EventBus):
     async def write_snapshot(self, worker: str, snapshot: Snapshot) -> None:
         try:
             await self._r.set(self.layout.snapshot(worker), encode_snapshot(snapshot))
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"snapshot write failed: {exc}") from exc
 
     async def read_snapshot(self, worker: str) -> Snapshot | None:
         try:
             data: Any = await self._r.get(self.layout.snapshot(worker))
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"snapshot read failed: {exc}") from exc
         if data is None:
             return None
@@ -143,7 +205,7 @@ class RedisBus(EventBus):
                 pipe.set(self.layout.worker(info.worker_id), encode_worker(info), px=_ms(ttl))
                 pipe.sadd(self.layout.workers, info.worker_id)
                 await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"register failed: {exc}") from exc
 
     async def deregister(self, worker: str) -> None:
@@ -152,7 +214,7 @@ class RedisBus(EventBus):
                 pipe.delete(self.layout.worker(worker), self.layout.load(worker))
                 pipe.srem(self.layout.workers, worker)
                 await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"deregister failed: {exc}") from exc
 
     async def workers(self) -> dict[str, WorkerInfo]:
@@ -160,8 +222,8 @@ class RedisBus(EventBus):
             ids = sorted(_s(m) for m in await self._r.smembers(self.layout.workers))
             if not ids:
                 return {}
-            values: list[Any] = await self._r.mget([self.layout.worker(w) for w in ids])
-        except (RedisError, OSError) as exc:
+            values = await self._mget([self.layout.worker(w) for w in ids])
+        except _ERRORS as exc:
             raise BusError(f"registry read failed: {exc}") from exc
         out = {}
         lapsed = []
@@ -176,7 +238,7 @@ class RedisBus(EventBus):
         if lapsed:  # keep the set bounded; a live agent re-adds itself every heartbeat
             try:
                 await self._r.srem(self.layout.workers, *lapsed)
-            except (RedisError, OSError) as exc:
+            except _ERRORS as exc:
                 raise BusError(f"registry prune failed: {exc}") from exc
         return out
 
@@ -185,15 +247,15 @@ class RedisBus(EventBus):
     async def publish_report(self, worker: str, report: EngineReport, ttl: float) -> None:
         try:
             await self._r.set(self.layout.load(worker), encode_report(report), px=_ms(ttl))
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"load report failed: {exc}") from exc
 
     async def read_reports(self, workers: Sequence[str]) -> dict[str, EngineReport]:
         if not workers:
             return {}
         try:
-            values: list[Any] = await self._r.mget([self.layout.load(w) for w in workers])
-        except (RedisError, OSError) as exc:
+            values = await self._mget([self.layout.load(w) for w in workers])
+        except _ERRORS as exc:
             raise BusError(f"load read failed: {exc}") from exc
         out = {}
         for w, data in zip(workers, values, strict=True):
@@ -204,15 +266,35 @@ class RedisBus(EventBus):
                     continue
         return out
 
+    async def _mget(self, keys: list[str]) -> list[Any]:
+        """MGET; on a cluster split by slot (each worker's keys have a slot of their own)."""
+        if self.cluster:
+            return list(await self._r.mget_nonatomic(keys))
+        return list(await self._r.mget(keys))
+
     async def ping(self) -> None:
         try:
             await self._r.ping()
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"PING failed: {exc}") from exc
 
     async def close(self) -> None:
         await self._r.aclose()
-        await self._reader.aclose()
+        if self._reader is not self._r:
+            await self._reader.aclose()
+
+
+def parse_sentinels(items: Sequence[str]) -> list[tuple[str, int]]:
+    """``["host:port", ...]`` -> ``[(host, port), ...]`` (port 26379 when omitted)."""
+    out = []
+    for item in items:
+        host, sep, port = item.strip().rpartition(":")
+        if not sep:
+            host, port = port, "26379"
+        if not host or not port.isdigit():
+            raise ValueError(f"redis.sentinels: expected host:port, got {item!r}")
+        out.append((host, int(port)))
+    return out
 
 
 def _s(v: bytes | str) -> str:

@@ -219,21 +219,27 @@ ENTRY_FIELD = b"e"
 
 @dataclass(frozen=True)
 class RedisLayout:
-    """Where each record of the contract lives in Redis, under one key ``prefix``."""
+    """Where each record of the contract lives in Redis, under one key ``prefix``.
+
+    A worker's keys carry the hash tag ``{<worker>}`` so that on Redis Cluster its stream,
+    snapshot, registration and load report share one slot (one shard); single-node Redis
+    ignores the braces. The registry set is one key of its own (on one shard of a cluster),
+    read with single-key commands only.
+    """
 
     prefix: str = "kvroute:"
 
     def stream(self, worker: str) -> str:
-        return f"{self.prefix}stream:{worker}"
+        return f"{self.prefix}stream:{{{worker}}}"
 
     def snapshot(self, worker: str) -> str:
-        return f"{self.prefix}snapshot:{worker}"
+        return f"{self.prefix}snapshot:{{{worker}}}"
 
     def worker(self, worker: str) -> str:
-        return f"{self.prefix}worker:{worker}"
+        return f"{self.prefix}worker:{{{worker}}}"
 
     def load(self, worker: str) -> str:
-        return f"{self.prefix}load:{worker}"
+        return f"{self.prefix}load:{{{worker}}}"
 
     @property
     def workers(self) -> str:
@@ -241,7 +247,7 @@ class RedisLayout:
 
     def stream_worker(self, key: str) -> str:
         """The worker id of a stream key."""
-        return key[len(self.prefix) + len("stream:") :]
+        return key[len(self.prefix) + len("stream:{") : -1]
 
 
 # -- key digest ------------------------------------------------------------------------------
