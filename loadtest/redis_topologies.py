@@ -108,9 +108,7 @@ class LocalCluster:
             raise HarnessError("redis-cli not found (Debian package redis-tools)")
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
         cmd = [cli, "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas)]
-        subprocess.run(
-            [*cmd, "--cluster-yes"], check=True, capture_output=True, timeout=within
-        )
+        subprocess.run([*cmd, "--cluster-yes"], check=True, capture_output=True, timeout=within)
         poll(self.healthy, within, "the cluster to be ok with every replica in sync")
         return self
 
@@ -144,6 +142,17 @@ class LocalCluster:
         with _client(live[0].port) as r:
             shards = r.execute_command("CLUSTER SLOTS")
         return sorted({int(s[2][1]) for s in shards})
+
+    def primary_for(self, key: str) -> int:
+        """Port of the live primary serving ``key``'s slot."""
+        live = [n for n in self.nodes if n.proc is not None]
+        with _client(live[0].port) as r:
+            slot = int(r.execute_command("CLUSTER KEYSLOT", key))
+            shards = r.execute_command("CLUSTER SLOTS")
+        for s in shards:
+            if int(s[0]) <= slot <= int(s[1]):
+                return int(s[2][1])
+        raise HarnessError(f"slot {slot} of {key!r} is not served")
 
     def replica_of(self, primary_port: int) -> int:
         """Port of a live replica of ``primary_port``."""

@@ -16,10 +16,10 @@ import redis
 
 from gateway.antientropy import AntiEntropy
 from gateway.contract.wire import (
-    RedisLayout,
     ENTRY_FIELD,
     Digest,
     Entry,
+    RedisLayout,
     Removed,
     Stored,
     decode_entry,
