@@ -1,0 +1,431 @@
+"""``kvroute bench events --workers N [--cluster K]``: the event bus at fleet size (target P2).
+
+N simulated agents, spread over ``--agent-procs`` processes as asyncio tasks (the cheap
+part: one ``RedisBus`` per process, no engine, no ZMQ, no canonicalisation, which the
+single-worker run of ``kvroute bench events`` measures), speak the protocol of a real
+agent: a ``[Cleared]`` entry, an empty snapshot and a registration at start, heartbeats
+every second, load reports every 0.25 s, and stream entries of ``--blocks-per-entry`` new
+random block keys (with removals of the oldest once a worker holds ``--capacity``). Each
+keeps the key set it published (its mirror). The gateway's ``Consumer`` in this process
+reads every stream into a ``ShadowIndex``.
+
+The same fleet runs twice in one invocation: on a ``K``-shard Redis Cluster started by the
+bench (primaries only), and on one redis-server (the baseline). Per run:
+
+* idle: every worker registered and quiet for ``--idle`` seconds; the consumer's CPU then is
+  the price of reading N streams with nothing in them (per-slot polling on a cluster);
+* throughput: every agent publishes its share of ``--blocks`` as fast as it can;
+  ``blocks_per_s`` is block events applied to the index per second, first send to last apply;
+* lag: ``--rate`` blocks/s offered in total for ``--duration`` s; the time from an entry's
+  ``ts`` (stamped when the agent builds it) to its apply, p50/p99;
+* Redis CPU per node (``INFO cpu``, over throughput + lag), bytes per block (``MEMORY USAGE``
+  of every stream over the block events it holds), the consumer's CPU (this process);
+* at the end the index must equal every agent's mirror (``key_digest`` per worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import queue
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from gateway.consumer import Consumer, ConsumerConfig
+from gateway.contract.bus import EventBus
+from gateway.contract.redis_bus import RedisBus
+from gateway.contract.wire import (
+    Cleared,
+    EngineReport,
+    Entry,
+    Removed,
+    Snapshot,
+    Stored,
+    WorkerInfo,
+    key_digest,
+)
+from loadtest.harness import RedisServer
+from loadtest.redis_topologies import LocalCluster
+
+P2_E2E_BLOCKS_PER_S = 100_000
+P2_LAG_P99_MS = 50.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the fleet run (added to ``kvroute bench events``)."""
+    parser.add_argument(
+        "--workers", type=int, default=0, help="simulated agents (0: the single-worker run)"
+    )
+    parser.add_argument("--cluster", type=int, default=3, help="Redis Cluster shards (fleet)")
+    parser.add_argument("--agent-procs", type=int, default=2, help="processes running agents")
+    parser.add_argument("--blocks-per-entry", type=int, default=64, help="blocks per entry")
+    parser.add_argument("--idle", type=float, default=2.0, help="seconds of the idle phase")
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip the single-redis-server run"
+    )
+
+
+# -- simulated agents (child processes) --------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    url: str
+    cluster: bool
+    workers: list[str]
+    blocks_each: int  # throughput phase
+    rate_each: float  # lag phase, blocks/s
+    duration: float
+    per_entry: int
+    capacity: int
+    seed: int
+
+
+@dataclass
+class _SimAgent:
+    worker: str
+    bus: EventBus
+    rng: random.Random
+    capacity: int
+    epoch: int = field(default_factory=lambda: time.time_ns() // 1000)
+    seq: int = 0
+    held: list[int] = field(default_factory=list)
+    blocks: int = 0  # block events published
+
+    async def entry(self, events: list[Any]) -> str:
+        self.seq += 1
+        now = time.time()
+        (sid,) = await self.bus.append(
+            self.worker, [Entry(1, self.epoch, self.seq, now, now, [], events)]
+        )
+        return sid
+
+    async def start(self) -> None:
+        sid = await self.entry([Cleared()])
+        await self.bus.write_snapshot(
+            self.worker, Snapshot(1, self.epoch, self.seq, sid, time.time(), [])
+        )
+        await self.heartbeat()
+
+    async def heartbeat(self) -> None:
+        info = WorkerInfo(
+            worker_id=self.worker, url="http://127.0.0.1:9", model="bench", epoch=self.epoch
+        )
+        await self.bus.register(info, 5.0)
+
+    async def publish(self, n: int) -> None:
+        keys = [self.rng.getrandbits(63) for _ in range(n)]
+        parent = self.held[-1] if self.held and self.rng.random() < 0.7 else None
+        events: list[Any] = []
+        over = len(self.held) + n - self.capacity
+        if over > 0:
+            gone, self.held = self.held[:over], self.held[over:]
+            events.append(Removed(gone))
+        events.append(Stored(parent, keys))
+        self.held.extend(keys)
+        self.blocks += n + max(0, over)
+        await self.entry(events)
+
+
+async def _agents_main(plan: _Plan, go: Any, results: Any) -> None:
+    bus = RedisBus(plan.url, cluster=plan.cluster)
+    rng = random.Random(plan.seed)
+    agents = [
+        _SimAgent(w, bus, random.Random(rng.getrandbits(32)), plan.capacity) for w in plan.workers
+    ]
+    stop = asyncio.Event()
+
+    async def background() -> None:
+        reports = 0
+        while not stop.is_set():
+            for a in agents:
+                await bus.publish_report(a.worker, EngineReport(running=1, ts=time.time()), 2.0)
+            reports += 1
+            if reports % 4 == 0:
+                for a in agents:
+                    await a.heartbeat()
+            await asyncio.sleep(0.25)
+
+    try:
+        for a in agents:
+            await a.start()
+        results.put(("ready", len(agents)))
+        bg = asyncio.create_task(background())
+        await asyncio.to_thread(go["burst"].wait)
+
+        async def burst(a: _SimAgent) -> None:
+            left = plan.blocks_each
+            while left > 0:
+                n = min(plan.per_entry, left)
+                await a.publish(n)
+                left -= n
+
+        await asyncio.gather(*(burst(a) for a in agents))
+        results.put(("burst_done", sum(a.blocks for a in agents)))
+        await asyncio.to_thread(go["paced"].wait)
+
+        async def paced(a: _SimAgent, offset: float) -> None:
+            interval = plan.per_entry / plan.rate_each
+            start = time.monotonic() + offset * interval
+            i = 0
+            while True:
+                at = start + i * interval
+                if at - start > plan.duration:
+                    return
+                delay = at - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)  # pacing the offered load
+                await a.publish(plan.per_entry)
+                i += 1
+
+        await asyncio.gather(*(paced(a, i / len(agents)) for i, a in enumerate(agents)))
+        results.put(
+            ("mirrors", {a.worker: (len(a.held), key_digest(a.held), a.blocks) for a in agents})
+        )
+        await asyncio.to_thread(go["stop"].wait)
+        stop.set()
+        await bg
+    finally:
+        await bus.close()
+
+
+def _agents_process(plan: _Plan, go: Any, results: Any) -> None:
+    asyncio.run(_agents_main(plan, go, results))
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tap:
+    lags: list[float] = field(default_factory=list)
+    blocks: int = 0
+    recording: bool = False
+
+    def __call__(self, worker: str, entry: Entry, now: float) -> None:
+        for ev in entry.events:
+            if isinstance(ev, Stored | Removed):
+                self.blocks += len(ev.keys)
+        if self.recording:
+            self.lags.append(now - entry.ts)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _node_cpu(ports: list[int]) -> dict[int, float]:
+    out = {}
+    for port in ports:
+        with redis.Redis(host="127.0.0.1", port=port) as r:
+            info = r.info("cpu")
+        out[port] = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+    return out
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+async def _until(cond: Any, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def _wait_results(results: Any, kind: str, n: int, within: float) -> list[Any]:
+    got = []
+    deadline = time.monotonic() + within
+    while len(got) < n:
+        try:
+            k, v = results.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"agents did not report {kind} in time") from None
+        if k == kind:
+            got.append(v)
+    return got
+
+
+async def _run_one(
+    args: argparse.Namespace, url: str, cluster: bool, ports: list[int]
+) -> dict[str, Any]:
+    n = args.workers
+    names = [f"fleet-{i:05d}" for i in range(n)]
+    procs = max(1, min(args.agent_procs, n))
+    mp = multiprocessing.get_context("spawn")
+    go = {k: mp.Event() for k in ("burst", "paced", "stop")}
+    results = mp.Queue()
+    plans = [
+        _Plan(
+            url=url, cluster=cluster, workers=names[i::procs],
+            blocks_each=max(1, args.blocks // n), rate_each=args.rate / n,
+            duration=args.duration, per_entry=args.blocks_per_entry,
+            capacity=args.capacity // n if args.capacity >= n else args.capacity,
+            seed=args.seed + i,
+        )
+        for i in range(procs)
+    ]  # fmt: skip
+    children = [
+        mp.Process(target=_agents_process, args=(p, go, results), daemon=True) for p in plans
+    ]
+    bus = RedisBus(url, cluster=cluster)
+    tap = _Tap()
+    consumer = Consumer(bus, config=ConsumerConfig(block_ms=20), on_entry=tap)
+    try:
+        for c in children:
+            c.start()
+        await asyncio.to_thread(_wait_results, results, "ready", procs, 60)
+        await consumer.start()
+        await _until(
+            lambda: len(consumer.applier.cursors) == n and consumer.synced,
+            60,
+            "the consumer to bootstrap every worker",
+        )
+        # -- idle -------------------------------------------------------------------------
+        cpu0, t0 = _own_cpu(), time.perf_counter()
+        await asyncio.sleep(args.idle)  # measuring an idle window
+        idle_cpu = (_own_cpu() - cpu0) / (time.perf_counter() - t0)
+        # -- throughput -------------------------------------------------------------------
+        redis0, cpu0 = _node_cpu(ports), _own_cpu()
+        before = tap.blocks
+        t0 = time.perf_counter()
+        go["burst"].set()
+        sent = sum(await asyncio.to_thread(_wait_results, results, "burst_done", procs, 600))
+        await _until(lambda: tap.blocks - before >= sent, 600, "the burst to be applied")
+        burst_s = time.perf_counter() - t0
+        burst_cpu = _own_cpu() - cpu0
+        # -- lag --------------------------------------------------------------------------
+        tap.recording = True
+        cpu1, t1 = _own_cpu(), time.perf_counter()
+        go["paced"].set()
+        mirrors: dict[str, tuple[int, str, int]] = {}
+        for part in await asyncio.to_thread(
+            _wait_results, results, "mirrors", procs, args.duration + 120
+        ):
+            mirrors.update(part)
+
+        def converged() -> bool:
+            return all(
+                key_digest(consumer.index.worker_keys(w)) == m[1] for w, m in mirrors.items()
+            )
+
+        await _until(converged, 60, "the index to equal every mirror")
+        paced_s = time.perf_counter() - t1
+        paced_cpu = _own_cpu() - cpu1
+        redis1 = _node_cpu(ports)
+        tap.recording = False
+        total_blocks = sum(m[2] for m in mirrors.values())
+        memory = 0
+        for w in names:
+            memory += await bus.stream_bytes(w)
+        go["stop"].set()
+    finally:
+        for e in go.values():
+            e.set()
+        await consumer.stop()
+        await bus.close()
+        for c in children:
+            c.join(10)
+            if c.is_alive():
+                c.kill()
+                c.join(5)
+    window = burst_s + paced_s
+    redis_cpu = {str(p): round(redis1[p] - redis0[p], 2) for p in ports}
+    applied_paced = len(tap.lags)
+    return {
+        "redis": f"cluster of {len(ports)} primaries" if cluster else "one redis-server",
+        "workers": n,
+        "blocks_per_s": round(sent / burst_s),
+        "burst_blocks": sent,
+        "burst_seconds": round(burst_s, 3),
+        "lag_rate_blocks_per_s": args.rate,
+        "lag_entries": applied_paced,
+        "lag_p50_ms": round(_pct(tap.lags, 0.5) * 1000, 2),
+        "lag_p99_ms": round(_pct(tap.lags, 0.99) * 1000, 2),
+        "redis_cpu_seconds": redis_cpu,
+        "redis_cpu_seconds_total": round(sum(redis_cpu.values()), 2),
+        "redis_cpu_us_per_block": round(sum(redis_cpu.values()) / max(1, total_blocks) * 1e6, 2),
+        "bytes_per_block": round(memory / max(1, total_blocks), 1),
+        "stream_bytes": memory,
+        "consumer_cpu_idle_cores": round(idle_cpu, 3),
+        "consumer_cpu_burst_s": round(burst_cpu, 2),
+        "consumer_cpu_us_per_block_burst": round(burst_cpu / max(1, sent) * 1e6, 2),
+        "consumer_cpu_paced_cores": round(paced_cpu / paced_s, 3),
+        "index_equals_mirrors": True,  # the run waits for it (and fails if it never comes)
+        "window_s": round(window, 2),
+    }
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-bench-fleet-"))
+    runs = []
+    try:
+        with LocalCluster(primaries=args.cluster, replicas=0, workdir=workdir / "cluster") as cl:
+            runs.append(await _run_one(args, cl.url, True, [n.port for n in cl.nodes]))
+        if not args.no_baseline:
+            single = RedisServer(workdir=workdir / "single")
+            single.workdir.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
+            with single:
+                runs.append(await _run_one(args, single.url, False, [single.port]))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return _result(args, runs)
+
+
+def _result(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    cl = runs[0]
+    checks = {
+        "blocks_per_s": cl["blocks_per_s"] >= P2_E2E_BLOCKS_PER_S,
+        "lag_p99_ms": cl["lag_p99_ms"] <= P2_LAG_P99_MS,
+        "index_equals_mirrors": all(r["index_equals_mirrors"] for r in runs),
+    }
+    keys = [
+        "blocks_per_s", "lag_p50_ms", "lag_p99_ms", "redis_cpu_seconds_total",
+        "redis_cpu_us_per_block", "bytes_per_block", "consumer_cpu_idle_cores",
+        "consumer_cpu_us_per_block_burst", "consumer_cpu_paced_cores",
+    ]  # fmt: skip
+    table = []
+    for k in keys:
+        row: dict[str, Any] = {"metric": k, "cluster": cl[k]}
+        if len(runs) > 1:
+            base = runs[1][k]
+            row["one_node"] = base
+            row["ratio"] = round(cl[k] / base, 2) if base else "-"
+        table.append(row)
+    out: dict[str, Any] = {
+        "benchmark": "events",
+        "mode": "fleet",
+        "workers": args.workers,
+        "shards": args.cluster,
+        "runs": runs,
+        "targets": checks,
+        "ok": all(checks.values()),
+        "table": table,
+    }
+    if len(runs) > 1:
+        out["ratios_cluster_over_one_node"] = {
+            k: round(cl[k] / runs[1][k], 3) for k in keys if runs[1][k]
+        }
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        return asyncio.run(_run(args))
+    except TimeoutError as exc:
+        return {"benchmark": "events", "mode": "fleet", "ok": False, "error": str(exc)}
