@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+from bisect import bisect_right
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,15 @@ from gateway.config import GatewayConfig
 from gateway.contract.bus import BusError
 from gateway.contract.redis_bus import RedisBus, parse_sentinels
 from gateway.contract.settings import ConfigError, load_config
-from gateway.contract.wire import Entry, RedisLayout, Stored, WorkerInfo, key_digest
+from gateway.contract.wire import (
+    STREAM_GROUPS,
+    Entry,
+    RedisLayout,
+    Stored,
+    WorkerInfo,
+    cluster_slot,
+    key_digest,
+)
 from gateway.main import add_arguments as gateway_arguments
 from gateway.main import config_from_args, make_bus
 from gateway.routing.keys import BlockKeyer
@@ -67,8 +77,15 @@ def test_a_workers_keys_share_one_slot() -> None:
         keys = [layout.stream(w), layout.snapshot(w), layout.worker(w), layout.load(w)]
         assert len({key_slot(k.encode()) for k in keys}) == 1, w
         assert layout.stream_worker(layout.stream(w)) == w
-    slots = {key_slot(layout.stream(w).encode()) for w in WORKERS}
-    assert len(slots) == len(WORKERS)  # workers spread over slots, not one hot shard
+    # the group tags split the slots evenly: any cluster of equal contiguous shards gets an
+    # equal share of groups (3 shards: 20 each)
+    tags = [RedisLayout.tag(f"w{i}") for i in range(2000)]
+    assert len(set(tags)) == STREAM_GROUPS
+    bounds = [i * 16384 // STREAM_GROUPS for i in range(STREAM_GROUPS + 1)]
+    ranges = sorted(bisect_right(bounds, cluster_slot(t[1:-1])) - 1 for t in set(tags))
+    assert ranges == list(range(STREAM_GROUPS))
+    thirds = Counter(cluster_slot(t[1:-1]) * 3 // 16384 for t in set(tags))
+    assert thirds == {0: 20, 1: 20, 2: 20}
 
 
 def test_sentinel_addresses_parse_and_bad_ones_are_refused() -> None:
@@ -132,8 +149,15 @@ def test_agent_flags() -> None:
 async def test_unreachable_cluster_raises_bus_error() -> None:
     bus = RedisBus(f"redis://127.0.0.1:{free_port()}", cluster=True, connect_timeout=0.2)
     try:
-        with pytest.raises(BusError):
-            await bus.read({"w": "0"}, block_ms=10)
+
+        async def read_fails() -> bool:  # a read left in flight reports at a later call
+            try:
+                await bus.read({"w": "0"}, block_ms=10)
+            except BusError:
+                return True
+            return False
+
+        await wait_until(read_fails, 10, "BusError from read")
         with pytest.raises(BusError):
             await bus.workers()
         with pytest.raises(BusError):
@@ -156,16 +180,49 @@ async def test_cluster_bus_reads_every_shard(redis_cluster: LocalCluster) -> Non
             await bus.register(WorkerInfo(worker_id=w, url="http://127.0.0.1:1", model="m"), 5)
             await bus.append(w, [Entry(1, 1, 1, 0.0, 0.0, [], [Stored(None, [i])])])
         assert sorted(await bus.workers()) == WORKERS
-        reads = await bus.read(dict.fromkeys(WORKERS, "0"), block_ms=100)
-        assert {r.worker: r.entries[0][1].events for r in reads} == {  # type: ignore[union-attr]
-            w: [Stored(None, [i])] for i, w in enumerate(WORKERS)
-        }
-        after = {r.worker: r.entries[-1][0] for r in reads}
-        assert await bus.read(after, block_ms=50) == []  # blocks, then nothing
+        positions = dict.fromkeys(WORKERS, "0")
+        seen: dict[str, Any] = {}
+
+        async def read_all() -> bool:  # each call returns the groups read by then
+            for r in await bus.read(positions, block_ms=100):
+                seen[r.worker] = r.entries[0][1].events  # type: ignore[union-attr]
+                positions[r.worker] = r.entries[-1][0]
+            return len(seen) == len(WORKERS)
+
+        await wait_until(read_all, 10, "every worker's stream read")
+        assert seen == {w: [Stored(None, [i])] for i, w in enumerate(WORKERS)}
+        for _ in range(3):  # the reads left in flight hold nothing new
+            assert await bus.read(positions, block_ms=50) == []
         await bus.deregister(WORKERS[0])
         assert sorted(await bus.workers()) == WORKERS[1:]
     finally:
         await bus.close()
+
+
+async def test_cluster_read_drops_what_was_read_from_a_stale_position(
+    redis_cluster: LocalCluster,
+) -> None:
+    """A read left in flight from an old position (the consumer re-bootstrapped meanwhile)
+    is not returned: the stream is read again from the new position."""
+    writer = RedisBus(redis_cluster.url, cluster=True)
+    bus = RedisBus(redis_cluster.url, cluster=True)
+    try:
+        ids = [(await writer.append("w", [Entry(1, 1, i, 0.0, 0.0, [], [])]))[0] for i in (1, 2)]
+        first = asyncio.create_task(bus.read({"w": ids[1]}, block_ms=5000))
+        await wait_until(lambda: bool(bus._inflight), 5, "a blocking read in flight")
+        first.cancel()  # the caller gives up; the XREAD itself stays in flight
+        await writer.append("w", [Entry(1, 1, 3, 0.0, 0.0, [], [])])
+        got: list[Any] = []
+
+        async def reread() -> bool:
+            got[:] = await bus.read({"w": "0"}, block_ms=100)
+            return bool(got)
+
+        await wait_until(reread, 10, "the stream read from its start")
+        assert [e.seq for _, e in got[0].entries] == [1, 2, 3]  # type: ignore[union-attr]
+    finally:
+        await bus.close()
+        await writer.close()
 
 
 @contextlib.asynccontextmanager

@@ -8,11 +8,10 @@ Three ways to reach Redis, chosen at construction:
 
 * one node (``url``): reads are one blocking XREAD over all streams;
 * Redis Cluster (``cluster=True``, ``url`` names any node): redis-py's ``RedisCluster``
-  follows the slot map and its changes after a failover. A worker's keys share a hash tag,
-  so every command touches one slot, except reads: Redis refuses a multi-key command across
-  slots (even on one node), so a read is one non-blocking XREAD per stream, pipelined per
-  node with all nodes at once, and an empty round is retried every ``cluster_poll_ms``
-  until ``block_ms`` is up;
+  follows the slot map and its changes after a failover. A worker's keys share the hash
+  tag of its stream group, so every command touches one slot. Redis refuses a multi-key
+  command across slots (even on one node), so a read is one blocking XREAD per group
+  (``STREAM_GROUPS`` at most), all in flight at once on their own connections;
 * Sentinel (``sentinels=["host:port", ...]``, ``sentinel_master``): the sentinels name the
   primary on every new connection, so after a failover the next reconnect reaches the new
   primary (a failed command raises ``BusError`` and the caller retries).
@@ -21,7 +20,6 @@ Three ways to reach Redis, chosen at construction:
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,13 +71,11 @@ class RedisBus(EventBus):
         cluster: bool = False,
         sentinels: Sequence[str] = (),
         sentinel_master: str = "",
-        cluster_poll_ms: float = 10.0,
         **kwargs: Any,
     ) -> None:
         self.layout = RedisLayout(prefix)
         self.max_stream_len = max_stream_len
         self.cluster = cluster
-        self.cluster_poll_ms = cluster_poll_ms
         opts: dict[str, Any] = {
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": connect_timeout,
@@ -89,10 +85,12 @@ class RedisBus(EventBus):
             opts["password"] = password
         self._r: Any
         self._reader: Any
+        #: cluster reads in flight: slot -> (positions, XREAD task)
+        self._inflight: dict[int, tuple[dict[str, str], asyncio.Future[Any]]] = {}
         if cluster and sentinels:
             raise ValueError("redis: cluster and sentinels exclude each other")
         if cluster:
-            # one client: a read is many short XREADs, none holds a connection
+            # one client: its pool per node gives each blocking read a connection of its own
             self._r = self._reader = RedisCluster.from_url(url, **opts)
         elif sentinels:
             if not sentinel_master:
@@ -152,18 +150,42 @@ class RedisBus(EventBus):
     async def _read_cluster(
         self, streams: dict[str, str], count: int, block_ms: int | None
     ) -> list[Any]:
-        """Per-stream XREADs (one slot each), polled until data or ``block_ms`` is up."""
-        deadline = time.monotonic() + (block_ms or 0) / 1000
-        while True:
-            async with self._reader.pipeline(transaction=False) as pipe:
-                for key, pos in streams.items():
-                    pipe.xread({key: pos}, count=count)
-                replies = await pipe.execute()
-            out = [item for reply in replies if reply for item in reply]
-            left = deadline - time.monotonic()
-            if out or left <= 0:
-                return out
-            await asyncio.sleep(min(self.cluster_poll_ms / 1000, left))
+        """One blocking XREAD per slot (stream group), all in flight at once.
+
+        A group's read is started with the positions of the moment and left running across
+        calls (cancelling a blocking read would cost its connection); a call returns what
+        the reads finished by then hold, waiting up to ``block_ms`` for the first. Entries
+        read for a stream whose position has changed meanwhile (a re-bootstrap) are dropped
+        and read again from the new position: XREAD consumes nothing."""
+        groups: dict[int, dict[str, str]] = {}
+        for key, pos in streams.items():
+            groups.setdefault(self._reader.keyslot(key), {})[key] = pos
+        for slot, positions in groups.items():
+            if slot not in self._inflight:
+                read = self._reader.xread(positions, count=count, block=block_ms or None)
+                self._inflight[slot] = (positions, asyncio.ensure_future(read))
+        tasks = [t for _, t in self._inflight.values()]
+        if block_ms and not any(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=block_ms / 1000, return_when=asyncio.FIRST_COMPLETED)
+        out: list[Any] = []
+        failed: BaseException | None = None
+        for slot, (positions, task) in list(self._inflight.items()):
+            if not task.done():
+                continue
+            del self._inflight[slot]
+            if task.cancelled():
+                continue
+            exc = task.exception()
+            if exc is not None:  # raised unless other groups read something (next call retries)
+                failed = failed or exc
+                continue
+            for key, items in task.result() or []:
+                k = _s(key)
+                if streams.get(k) == positions.get(k):
+                    out.append((k, items))
+        if failed is not None and not out:
+            raise failed
+        return out
 
     async def trim(self, worker: str, min_id: str) -> None:
         try:
@@ -279,6 +301,11 @@ class RedisBus(EventBus):
             raise BusError(f"PING failed: {exc}") from exc
 
     async def close(self) -> None:
+        for _, task in self._inflight.values():
+            task.cancel()
+        if self._inflight:
+            await asyncio.wait([t for _, t in self._inflight.values()])
+            self._inflight.clear()
         await self._r.aclose()
         if self._reader is not self._r:
             await self._reader.aclose()

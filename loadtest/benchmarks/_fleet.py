@@ -249,7 +249,7 @@ async def _until(cond: Any, within: float, what: str) -> None:
 
 
 def _wait_results(results: Any, kind: str, n: int, within: float) -> list[Any]:
-    got = []
+    got: list[Any] = []
     deadline = time.monotonic() + within
     while len(got) < n:
         try:
