@@ -20,6 +20,7 @@ Three ways to reach Redis, chosen at construction:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,6 +48,9 @@ from gateway.contract.wire import (
 )
 
 __all__ = ["RedisBus", "parse_sentinels"]
+
+#: stream keys (and their slots) remembered per bus before the memo starts over
+_MEMO_MAX = 100_000
 
 #: what a failed or refused command raises (cluster slot-map errors are not RedisErrors)
 _ERRORS = (RedisError, RedisClusterException, OSError)
@@ -85,6 +89,9 @@ class RedisBus(EventBus):
             opts["password"] = password
         self._r: Any
         self._reader: Any
+        self._worker_key: dict[str, str] = {}
+        self._key_worker: dict[str, str] = {}
+        self._key_slot: dict[str, int] = {}
         #: cluster reads in flight: slot -> (positions, XREAD task)
         self._inflight: dict[int, tuple[dict[str, str], asyncio.Future[Any]]] = {}
         if cluster and sentinels:
@@ -133,7 +140,7 @@ class RedisBus(EventBus):
     ) -> list[StreamRead]:
         if not positions:
             return []
-        streams = {self.layout.stream(w): pos for w, pos in positions.items()}
+        streams = {self._stream_key(w): pos for w, pos in positions.items()}
         try:
             if self.cluster:
                 reply = await self._read_cluster(streams, count, block_ms)
@@ -144,8 +151,22 @@ class RedisBus(EventBus):
         out = []
         for key, items in reply or []:
             entries = [(_s(sid), _decode_fields(fields)) for sid, fields in items]
-            out.append(StreamRead(self.layout.stream_worker(_s(key)), entries))
+            k = _s(key)
+            worker = self._key_worker.get(k) or self.layout.stream_worker(k)
+            out.append(StreamRead(worker, entries))
         return out
+
+    def _stream_key(self, worker: str) -> str:
+        """``layout.stream(worker)``, memoised: a read names every worker's stream."""
+        key = self._worker_key.get(worker)
+        if key is None:
+            if len(self._worker_key) >= _MEMO_MAX:  # ids churn over days: start over
+                self._worker_key.clear()
+                self._key_worker.clear()
+                self._key_slot.clear()
+            key = self._worker_key[worker] = self.layout.stream(worker)
+            self._key_worker[key] = worker
+        return key
 
     async def _read_cluster(
         self, streams: dict[str, str], count: int, block_ms: int | None
@@ -159,14 +180,49 @@ class RedisBus(EventBus):
         and read again from the new position: XREAD consumes nothing."""
         groups: dict[int, dict[str, str]] = {}
         for key, pos in streams.items():
-            groups.setdefault(self._reader.keyslot(key), {})[key] = pos
-        for slot, positions in groups.items():
-            if slot not in self._inflight:
-                read = self._reader.xread(positions, count=count, block=block_ms or None)
-                self._inflight[slot] = (positions, asyncio.ensure_future(read))
-        tasks = [t for _, t in self._inflight.values()]
-        if block_ms and not any(t.done() for t in tasks):
-            await asyncio.wait(tasks, timeout=block_ms / 1000, return_when=asyncio.FIRST_COMPLETED)
+            slot = self._key_slot.get(key)
+            if slot is None:
+                slot = self._key_slot[key] = self._reader.keyslot(key)
+            groups.setdefault(slot, {})[key] = pos
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (block_ms or 0) / 1000
+        while True:
+            for slot, positions in groups.items():
+                if slot not in self._inflight:
+                    read = self._xread_slot(slot, positions, count, block_ms)
+                    self._inflight[slot] = (positions, asyncio.ensure_future(read))
+            tasks = [t for _, t in self._inflight.values()]
+            left = deadline - loop.time()
+            if left > 0 and not any(t.done() for t in tasks):
+                await asyncio.wait(tasks, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                out = self._collect_reads(streams)
+            except _ERRORS:
+                # the slot map may be stale (a failover): refresh it before the next call
+                with contextlib.suppress(*_ERRORS):
+                    await self._reader.nodes_manager.initialize()
+                raise
+            # a group that timed out empty is read again until data comes or time is up
+            if out or loop.time() >= deadline:
+                return out
+
+    async def _xread_slot(
+        self, slot: int, positions: dict[str, str], count: int, block_ms: int | None
+    ) -> Any:
+        """XREAD of one slot's streams sent straight to the slot's primary: redis-py would
+        otherwise ask the server for the keys of every XREAD (COMMAND GETKEYS, a round trip:
+        XREAD's keys are "movable")."""
+        await self._reader.initialize()
+        node = self._reader.nodes_manager.get_node_from_slot(slot)
+        args: list[Any] = ["COUNT", count]
+        if block_ms:
+            args += ["BLOCK", block_ms]
+        args += ["STREAMS", *positions.keys(), *positions.values()]
+        return await self._reader.execute_command("XREAD", *args, target_nodes=node)
+
+    def _collect_reads(self, streams: dict[str, str]) -> list[Any]:
+        """Replies of the finished group reads for streams still at the position read from;
+        a failure is raised unless another group read something (the next call retries)."""
         out: list[Any] = []
         failed: BaseException | None = None
         for slot, (positions, task) in list(self._inflight.items()):
@@ -176,7 +232,7 @@ class RedisBus(EventBus):
             if task.cancelled():
                 continue
             exc = task.exception()
-            if exc is not None:  # raised unless other groups read something (next call retries)
+            if exc is not None:
                 failed = failed or exc
                 continue
             for key, items in task.result() or []:

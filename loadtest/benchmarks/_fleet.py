@@ -160,7 +160,7 @@ async def _agents_main(plan: _Plan, go: Any, results: Any) -> None:
             await a.start()
         results.put(("ready", len(agents)))
         bg = asyncio.create_task(background())
-        await asyncio.to_thread(go["burst"].wait)
+        await _until_set(go["burst"])
 
         async def burst(a: _SimAgent) -> None:
             left = plan.blocks_each
@@ -171,7 +171,7 @@ async def _agents_main(plan: _Plan, go: Any, results: Any) -> None:
 
         await asyncio.gather(*(burst(a) for a in agents))
         results.put(("burst_done", sum(a.blocks for a in agents)))
-        await asyncio.to_thread(go["paced"].wait)
+        await _until_set(go["paced"])
 
         async def paced(a: _SimAgent, offset: float) -> None:
             interval = plan.per_entry / plan.rate_each
@@ -191,7 +191,7 @@ async def _agents_main(plan: _Plan, go: Any, results: Any) -> None:
         results.put(
             ("mirrors", {a.worker: (len(a.held), key_digest(a.held), a.blocks) for a in agents})
         )
-        await asyncio.to_thread(go["stop"].wait)
+        await _until_set(go["stop"])
         stop.set()
         await bg
     finally:
@@ -199,7 +199,18 @@ async def _agents_main(plan: _Plan, go: Any, results: Any) -> None:
 
 
 def _agents_process(plan: _Plan, go: Any, results: Any) -> None:
-    asyncio.run(_agents_main(plan, go, results))
+    try:
+        asyncio.run(_agents_main(plan, go, results))
+    except Exception as exc:  # reported to the parent, which stops the run
+        results.put(("error", repr(exc)))
+        raise
+
+
+async def _until_set(event: Any) -> None:
+    """Wait for a multiprocessing event without a thread (polled, no deadline: the parent
+    kills this process when it gives up)."""
+    while not event.is_set():  # noqa: ASYNC110 - a multiprocessing event, not an asyncio one
+        await asyncio.sleep(0.01)
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -248,14 +259,21 @@ async def _until(cond: Any, within: float, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
-def _wait_results(results: Any, kind: str, n: int, within: float) -> list[Any]:
+async def _wait_results(results: Any, kind: str, n: int, within: float) -> list[Any]:
+    """``n`` reports of ``kind`` from the agent processes (polled; an agent's error or the
+    deadline ends the run)."""
     got: list[Any] = []
     deadline = time.monotonic() + within
     while len(got) < n:
         try:
-            k, v = results.get(timeout=max(0.01, deadline - time.monotonic()))
+            k, v = results.get_nowait()
         except queue.Empty:
-            raise TimeoutError(f"agents did not report {kind} in time") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"agents did not report {kind} in time") from None
+            await asyncio.sleep(0.01)
+            continue
+        if k == "error":
+            raise TimeoutError(f"an agent process failed: {v}")
         if k == kind:
             got.append(v)
     return got
@@ -285,11 +303,11 @@ async def _run_one(
     ]
     bus = RedisBus(url, cluster=cluster)
     tap = _Tap()
-    consumer = Consumer(bus, config=ConsumerConfig(block_ms=20), on_entry=tap)
+    consumer = Consumer(bus, config=ConsumerConfig(), on_entry=tap)  # the gateway's
     try:
         for c in children:
             c.start()
-        await asyncio.to_thread(_wait_results, results, "ready", procs, 60)
+        await _wait_results(results, "ready", procs, 60)
         await consumer.start()
         await _until(
             lambda: len(consumer.applier.cursors) == n and consumer.synced,
@@ -305,7 +323,7 @@ async def _run_one(
         before = tap.blocks
         t0 = time.perf_counter()
         go["burst"].set()
-        sent = sum(await asyncio.to_thread(_wait_results, results, "burst_done", procs, 600))
+        sent = sum(await _wait_results(results, "burst_done", procs, 600))
         await _until(lambda: tap.blocks - before >= sent, 600, "the burst to be applied")
         burst_s = time.perf_counter() - t0
         burst_cpu = _own_cpu() - cpu0
@@ -314,9 +332,7 @@ async def _run_one(
         cpu1, t1 = _own_cpu(), time.perf_counter()
         go["paced"].set()
         mirrors: dict[str, tuple[int, str, int]] = {}
-        for part in await asyncio.to_thread(
-            _wait_results, results, "mirrors", procs, args.duration + 120
-        ):
+        for part in await _wait_results(results, "mirrors", procs, args.duration + 120):
             mirrors.update(part)
 
         def converged() -> bool:
@@ -324,7 +340,18 @@ async def _run_one(
                 key_digest(consumer.index.worker_keys(w)) == m[1] for w, m in mirrors.items()
             )
 
-        await _until(converged, 60, "the index to equal every mirror")
+        try:
+            await _until(converged, 60, "the index to equal every mirror")
+        except TimeoutError:
+            off = [
+                w for w, m in mirrors.items() if key_digest(consumer.index.worker_keys(w)) != m[1]
+            ]
+            w = off[0]
+            raise TimeoutError(
+                f"the index differs from {len(off)} of {n} mirrors (e.g. {w}: "
+                f"{len(consumer.index.worker_keys(w))} keys, mirror {mirrors[w][0]}, "
+                f"cursor {consumer.applier.cursors.get(w)}); consumer {consumer.stats}"
+            ) from None
         paced_s = time.perf_counter() - t1
         paced_cpu = _own_cpu() - cpu1
         redis1 = _node_cpu(ports)
