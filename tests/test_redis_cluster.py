@@ -99,6 +99,16 @@ def test_sentinel_addresses_parse_and_bad_ones_are_refused() -> None:
         RedisBus("", sentinels=["a:1"])
 
 
+async def test_sentinel_url_gives_credentials_and_database() -> None:
+    bus = RedisBus("redis://u:pw@ignored:1/3", sentinels=["a:1"], sentinel_master="m")
+    try:
+        kwargs = bus._r.connection_pool.connection_kwargs
+        assert (kwargs["username"], kwargs["password"], kwargs["db"]) == ("u", "pw", 3)
+        assert "host" not in kwargs  # the sentinels name the primary
+    finally:
+        await bus.close()
+
+
 def _gateway_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     gateway_arguments(p)

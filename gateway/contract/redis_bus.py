@@ -12,8 +12,9 @@ Three ways to reach Redis, chosen at construction:
   tag of its stream group, so every command touches one slot. Redis refuses a multi-key
   command across slots (even on one node), so a read is one blocking XREAD per group
   (``STREAM_GROUPS`` at most), all in flight at once on their own connections;
-* Sentinel (``sentinels=["host:port", ...]``, ``sentinel_master``): the sentinels name the
-  primary on every new connection, so after a failover the next reconnect reaches the new
+* Sentinel (``sentinels=["host:port", ...]``, ``sentinel_master``; ``url``, if given, only
+  for its credentials, database and TLS): the sentinels name the primary on every new
+  connection, so after a failover the next reconnect reaches the new
   primary (a failed command raises ``BusError`` and the caller retries).
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import parse_url
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisClusterException, RedisError
 
@@ -107,8 +109,15 @@ class RedisBus(EventBus):
                 socket_timeout=socket_timeout,
                 socket_connect_timeout=connect_timeout,
             )
-            self._r = sentinel.master_for(sentinel_master, **opts)
-            self._reader = sentinel.master_for(sentinel_master, **opts)
+            # the URL, if any, still gives the credentials, database and TLS (not the host)
+            parsed = parse_url(url) if url else {}
+            conn: dict[str, Any] = {k: v for k, v in parsed.items() if k not in ("host", "port")}
+            conn.pop("connection_class", None)  # the sentinel pool picks its own class
+            if url.startswith("rediss://"):
+                conn["ssl"] = True
+            conn.update(opts)
+            self._r = sentinel.master_for(sentinel_master, **conn)
+            self._reader = sentinel.master_for(sentinel_master, **conn)
         else:
             opts.update(health_check_interval=10, retry_on_timeout=False)
             self._r = aioredis.Redis.from_url(url, **opts)
