@@ -21,7 +21,9 @@ bench (primaries only), and on one redis-server (the baseline). Per run:
   processes' own backlog, which ``lag_sent_blocks_per_s`` shows) to its apply, p50/p99;
 * Redis CPU per node (``INFO cpu``, over throughput + lag), bytes per block (``MEMORY USAGE``
   of every stream over the block events it holds), the consumer's CPU (this process);
-* at the end the index must equal every agent's mirror (``key_digest`` per worker).
+* at the end the index must equal every agent's mirror (``key_digest`` per worker);
+* catch-up: a second consumer (a new gateway replica) reads every stream from its start;
+  Redis CPU and its own CPU per block are what each further replica costs.
 """
 
 from __future__ import annotations
@@ -279,6 +281,52 @@ async def _until(cond: Any, within: float, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _check_equal(consumer: Consumer, mirrors: dict[str, tuple[int, str, int]]) -> None:
+    """Every worker's index keys have its mirror's digest (polled a while: the last entries
+    may still be in flight), or the run fails naming one that differs."""
+
+    def off() -> list[str]:
+        return [w for w, m in mirrors.items() if key_digest(consumer.index.worker_keys(w)) != m[1]]
+
+    deadline = time.monotonic() + 30
+    while bad := off():
+        if time.monotonic() > deadline:
+            w = bad[0]
+            raise TimeoutError(
+                f"the index differs from {len(bad)} of {len(mirrors)} mirrors (e.g. {w}: "
+                f"{len(consumer.index.worker_keys(w))} keys, mirror {mirrors[w][0]}, "
+                f"cursor {consumer.applier.cursors.get(w)}); consumer {consumer.stats}"
+            )
+        await asyncio.sleep(0.5)  # digests of every worker are costly: poll slowly
+
+
+async def _catch_up(
+    url: str, cluster: bool, ports: list[int], mirrors: dict[str, tuple[int, str, int]], blocks: int
+) -> dict[str, float]:
+    """A new gateway replica reads every stream from its start (the snapshots are the empty
+    ones of the agents' start): Redis CPU and this replica's CPU per block read and applied,
+    i.e. what each further replica adds."""
+    bus = RedisBus(url, cluster=cluster)
+    tap = _Tap()
+    replica = Consumer(bus, config=ConsumerConfig(), on_entry=tap)
+    redis0, cpu0, t0 = _node_cpu(ports), _own_cpu(), time.perf_counter()
+    try:
+        await replica.start()
+        await _until(lambda: tap.blocks >= blocks, 300, "a second replica to catch up")
+        seconds, cpu, redis1 = time.perf_counter() - t0, _own_cpu() - cpu0, _node_cpu(ports)
+        await _check_equal(replica, mirrors)
+    finally:
+        await replica.stop()
+        await bus.close()
+    redis_cpu = sum(redis1[p] - redis0[p] for p in ports)
+    return {
+        "catchup_seconds": round(seconds, 2),
+        "catchup_blocks_per_s": round(blocks / seconds),
+        "catchup_redis_cpu_us_per_block": round(redis_cpu / blocks * 1e6, 2),
+        "catchup_consumer_cpu_us_per_block": round(cpu / blocks * 1e6, 2),
+    }
+
+
 async def _wait_results(results: Any, kind: str, n: int, within: float) -> list[Any]:
     """``n`` reports of ``kind`` from the agent processes (polled; an agent's error or the
     deadline ends the run)."""
@@ -357,31 +405,19 @@ async def _run_one(
         send_s = time.perf_counter() - t1
         paced_blocks = sum(m[2] for m in mirrors.values()) - sent  # after the burst
 
-        def converged() -> bool:
-            return all(
-                key_digest(consumer.index.worker_keys(w)) == m[1] for w, m in mirrors.items()
-            )
-
-        try:
-            await _until(converged, 60, "the index to equal every mirror")
-        except TimeoutError:
-            off = [
-                w for w, m in mirrors.items() if key_digest(consumer.index.worker_keys(w)) != m[1]
-            ]
-            w = off[0]
-            raise TimeoutError(
-                f"the index differs from {len(off)} of {n} mirrors (e.g. {w}: "
-                f"{len(consumer.index.worker_keys(w))} keys, mirror {mirrors[w][0]}, "
-                f"cursor {consumer.applier.cursors.get(w)}); consumer {consumer.stats}"
-            ) from None
+        total_blocks = sum(m[2] for m in mirrors.values())
+        await _until(lambda: tap.blocks - before >= total_blocks, 60, "the last entries")
+        await _check_equal(consumer, mirrors)
         paced_s = time.perf_counter() - t1
         paced_cpu = _own_cpu() - cpu1
         redis1 = _node_cpu(ports)
         tap.recording = False
-        total_blocks = sum(m[2] for m in mirrors.values())
         memory = 0
         for w in names:
             memory += await bus.stream_bytes(w)
+        # -- a second replica reads every stream from the start: the read side alone ---------
+        await consumer.stop()
+        catchup = await _catch_up(url, cluster, ports, mirrors, total_blocks)
         go["stop"].set()
     finally:
         for e in go.values():
@@ -417,6 +453,7 @@ async def _run_one(
         "consumer_cpu_us_per_block_burst": round(burst_cpu / max(1, sent) * 1e6, 2),
         "consumer_cpu_paced_cores": round(paced_cpu / paced_s, 3),
         "index_equals_mirrors": True,  # the run waits for it (and fails if it never comes)
+        **catchup,
         "window_s": round(window, 2),
     }
 
@@ -448,6 +485,8 @@ def _result(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
         "blocks_per_s", "lag_sent_blocks_per_s", "lag_p50_ms", "lag_p99_ms", "redis_cpu_seconds_total",
         "redis_cpu_us_per_block", "bytes_per_block", "consumer_cpu_idle_cores",
         "consumer_cpu_us_per_block_burst", "consumer_cpu_paced_cores",
+        "catchup_blocks_per_s", "catchup_redis_cpu_us_per_block",
+        "catchup_consumer_cpu_us_per_block",
     ]  # fmt: skip
     table = []
     for k in keys:
