@@ -62,6 +62,9 @@ from loadtest.redis_topologies import LocalCluster
 
 P2_E2E_BLOCKS_PER_S = 100_000
 P2_LAG_P99_MS = 50.0
+#: seconds a simulated registration lives unless renewed (heartbeats every second; longer
+#: than a real agent's 3 s, so a loaded machine's stalls do not expire hundreds of workers)
+REGISTRATION_TTL = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,7 +140,7 @@ class _SimAgent:
         )
         with contextlib.suppress(BusError):  # the next heartbeat renews it
             async with self.gate:
-                await self.bus.register(info, 5.0)
+                await self.bus.register(info, REGISTRATION_TTL)
 
     async def publish(self, n: int) -> None:
         keys = [self.rng.getrandbits(63) for _ in range(n)]
@@ -164,24 +167,23 @@ async def _agents_main(plan: _Plan, go: Any, results: Any) -> None:
     ]
     stop = asyncio.Event()
 
-    async def background() -> None:
-        reports = 0
+    async def report(a: _SimAgent) -> None:
+        with contextlib.suppress(BusError):  # the next report replaces it
+            async with gate:
+                await bus.publish_report(a.worker, EngineReport(running=1, ts=time.time()), 2.0)
+
+    async def every(period: float, op: Any) -> None:
+        """``op`` for every agent each ``period`` (as each real agent's own loops do)."""
         while not stop.is_set():
-            for a in agents:
-                report = EngineReport(running=1, ts=time.time())
-                with contextlib.suppress(BusError):  # the next report replaces it
-                    await bus.publish_report(a.worker, report, 2.0)
-            reports += 1
-            if reports % 4 == 0:
-                for a in agents:
-                    await a.heartbeat()
-            await asyncio.sleep(0.25)
+            started = time.monotonic()
+            await asyncio.gather(*(op(a) for a in agents))
+            await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
 
     try:
         for a in agents:
             await a.start()
         results.put(("ready", len(agents)))
-        bg = asyncio.create_task(background())
+        bg = asyncio.gather(every(0.25, report), every(1.0, _SimAgent.heartbeat))
         await _until_set(go["burst"])
 
         async def burst(a: _SimAgent) -> None:
@@ -281,7 +283,9 @@ async def _until(cond: Any, within: float, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
-async def _check_equal(consumer: Consumer, mirrors: dict[str, tuple[int, str, int]]) -> None:
+async def _check_equal(
+    consumer: Consumer, mirrors: dict[str, tuple[int, str, int]], who: str = "the consumer"
+) -> None:
     """Every worker's index keys have its mirror's digest (polled a while: the last entries
     may still be in flight), or the run fails naming one that differs."""
 
@@ -293,7 +297,7 @@ async def _check_equal(consumer: Consumer, mirrors: dict[str, tuple[int, str, in
         if time.monotonic() > deadline:
             w = bad[0]
             raise TimeoutError(
-                f"the index differs from {len(bad)} of {len(mirrors)} mirrors (e.g. {w}: "
+                f"{who}: the index differs from {len(bad)} of {len(mirrors)} mirrors (e.g. {w}: "
                 f"{len(consumer.index.worker_keys(w))} keys, mirror {mirrors[w][0]}, "
                 f"cursor {consumer.applier.cursors.get(w)}); consumer {consumer.stats}"
             )
@@ -314,7 +318,7 @@ async def _catch_up(
         await replica.start()
         await _until(lambda: tap.blocks >= blocks, 300, "a second replica to catch up")
         seconds, cpu, redis1 = time.perf_counter() - t0, _own_cpu() - cpu0, _node_cpu(ports)
-        await _check_equal(replica, mirrors)
+        await _check_equal(replica, mirrors, "the second replica")
     finally:
         await replica.stop()
         await bus.close()
