@@ -102,22 +102,7 @@ class RedisBus(EventBus):
             # one client: its pool per node gives each blocking read a connection of its own
             self._r = self._reader = RedisCluster.from_url(url, **opts)
         elif sentinels:
-            if not sentinel_master:
-                raise ValueError("redis: sentinels need sentinel_master (the primary's name)")
-            sentinel = Sentinel(
-                parse_sentinels(sentinels),
-                socket_timeout=socket_timeout,
-                socket_connect_timeout=connect_timeout,
-            )
-            # the URL, if any, still gives the credentials, database and TLS (not the host)
-            parsed = parse_url(url) if url else {}
-            conn: dict[str, Any] = {k: v for k, v in parsed.items() if k not in ("host", "port")}
-            conn.pop("connection_class", None)  # the sentinel pool picks its own class
-            if url.startswith("rediss://"):
-                conn["ssl"] = True
-            conn.update(opts)
-            self._r = sentinel.master_for(sentinel_master, **conn)
-            self._reader = sentinel.master_for(sentinel_master, **conn)
+            self._r, self._reader = _sentinel_clients(url, sentinels, sentinel_master, opts)
         else:
             opts.update(health_check_interval=10, retry_on_timeout=False)
             self._r = aioredis.Redis.from_url(url, **opts)
@@ -374,6 +359,27 @@ class RedisBus(EventBus):
         await self._r.aclose()
         if self._reader is not self._r:
             await self._reader.aclose()
+
+
+def _sentinel_clients(
+    url: str, sentinels: Sequence[str], master: str, opts: dict[str, Any]
+) -> tuple[Any, Any]:
+    """Clients of the primary the sentinels name (asked again on every new connection); the
+    URL, if any, still gives the credentials, database and TLS (not the host)."""
+    if not master:
+        raise ValueError("redis: sentinels need sentinel_master (the primary's name)")
+    sentinel = Sentinel(
+        parse_sentinels(sentinels),
+        socket_timeout=opts["socket_timeout"],
+        socket_connect_timeout=opts["socket_connect_timeout"],
+    )
+    parsed = parse_url(url) if url else {}
+    conn: dict[str, Any] = {k: v for k, v in parsed.items() if k not in ("host", "port")}
+    conn.pop("connection_class", None)  # the sentinel pool picks its own class
+    if url.startswith("rediss://"):
+        conn["ssl"] = True
+    conn.update(opts)
+    return sentinel.master_for(master, **conn), sentinel.master_for(master, **conn)
 
 
 def parse_sentinels(items: Sequence[str]) -> list[tuple[str, int]]:
