@@ -45,6 +45,25 @@ class RedisSettings:
     #: CA bundle for rediss:// when the server's certificate is not in the system store
     tls_ca_file: str = ""
     connect_timeout: float = 1.0
+    #: Redis Cluster: ``url`` names any node, the client follows the slot map (a worker's
+    #: keys share the hash tag ``{worker}``, so they live on one shard)
+    cluster: bool = False
+    #: Redis Sentinel: ``host:port`` of each sentinel; they name the primary of
+    #: ``sentinel_master`` (``url`` is then unused)
+    sentinels: list[str] = field(default_factory=list)
+    sentinel_master: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.url or self.sentinels)
+
+    def validate(self) -> None:
+        if self.cluster and self.sentinels:
+            raise ConfigError("redis: cluster and sentinels exclude each other")
+        if self.cluster and not self.url:
+            raise ConfigError("redis.cluster: needs redis.url (any node of the cluster)")
+        if self.sentinels and not self.sentinel_master:
+            raise ConfigError("redis.sentinels: needs redis.sentinel_master (the primary's name)")
 
 
 @dataclass
@@ -229,7 +248,8 @@ class GatewayConfig:
                 raise ConfigError(f"pools.{i}.block_size: must be >= 1")
             if p.max_model_len < 1:
                 raise ConfigError(f"pools.{i}.max_model_len: must be >= 1")
-        if not self.redis.url and not any(p.static_workers for p in self.pools):
+        self.redis.validate()
+        if not self.redis.enabled and not any(p.static_workers for p in self.pools):
             raise ConfigError("redis.url is empty and no pool has static_workers: no workers")
         if self.server.workers < 1:
             raise ConfigError("server.workers: must be >= 1")

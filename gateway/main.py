@@ -37,6 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="processes on the port (server.workers)")
     p.add_argument("--redis", help="event bus URL, redis:// or rediss:// (redis.url)")
     p.add_argument(
+        "--redis-cluster",
+        action="store_const",
+        const=True,
+        help="the Redis at --redis is a Redis Cluster (redis.cluster)",
+    )
+    p.add_argument("--redis-sentinels", help="host:port,... of Redis Sentinels (redis.sentinels)")
+    p.add_argument("--redis-sentinel-master", help="primary's name (redis.sentinel_master)")
+    p.add_argument(
         "--set",
         action="append",
         metavar="PATH=VALUE",
@@ -53,6 +61,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         ("port", "server.port"),
         ("workers", "server.workers"),
         ("redis", "redis.url"),
+        ("redis_cluster", "redis.cluster"),
+        ("redis_sentinels", "redis.sentinels"),
+        ("redis_sentinel_master", "redis.sentinel_master"),
         ("log_level", "log.level"),
     ):
         value = getattr(args, flag)
@@ -114,7 +125,7 @@ def _run_loop(main: Any) -> None:
 
 
 def make_bus(cfg: GatewayConfig) -> Any:
-    if not cfg.redis.url:
+    if not cfg.redis.enabled:
         return None
     from gateway.contract.redis_bus import RedisBus
 
@@ -123,7 +134,14 @@ def make_bus(cfg: GatewayConfig) -> Any:
         extra["password"] = cfg.redis.password
     if cfg.redis.tls_ca_file:
         extra["ssl_ca_certs"] = cfg.redis.tls_ca_file
-    return RedisBus(cfg.redis.url, connect_timeout=cfg.redis.connect_timeout, **extra)
+    return RedisBus(
+        cfg.redis.url,
+        connect_timeout=cfg.redis.connect_timeout,
+        cluster=cfg.redis.cluster,
+        sentinels=cfg.redis.sentinels,
+        sentinel_master=cfg.redis.sentinel_master,
+        **extra,
+    )
 
 
 async def serve(

@@ -106,6 +106,10 @@ class RedisServer:
     workdir: Path | None = None
     #: serve TLS only (a private CA and a certificate for 127.0.0.1 are generated)
     tls: bool = False
+    #: more redis-server arguments (cluster mode, replicaof, ...)
+    extra_args: list[str] = field(default_factory=list)
+    #: a config file to start from (a sentinel needs one it can rewrite)
+    config_file: Path | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -131,6 +135,7 @@ class RedisServer:
             return self
         args = [
             redis_server_binary(),
+            *([str(self.config_file)] if self.config_file is not None else []),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",
@@ -141,6 +146,7 @@ class RedisServer:
         ]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password]
+        args += self.extra_args
         if self.tls:
             tls = self._certificates()
             args[args.index("--port") + 1] = "0"

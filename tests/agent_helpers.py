@@ -398,12 +398,13 @@ def agent_config(engine: FakeEngine | None, worker: str = "w1", **overrides: Any
 
 
 @contextlib.asynccontextmanager
-async def running_agent(config: Any, redis_url: str) -> Any:
-    """An ``Agent`` on a ``RedisBus``, run until the block exits (graceful stop)."""
+async def running_agent(config: Any, redis_url: str, **bus_opts: Any) -> Any:
+    """An ``Agent`` on a ``RedisBus``, run until the block exits (graceful stop).
+    ``bus_opts`` go to ``RedisBus`` (``cluster=True``, ``sentinels=...``)."""
     from gateway.contract.redis_bus import RedisBus
     from worker_agent.agent import Agent
 
-    bus = RedisBus(redis_url, socket_timeout=1.0, connect_timeout=0.5)
+    bus = RedisBus(redis_url, socket_timeout=1.0, connect_timeout=0.5, **bus_opts)
     agent = Agent(config, bus)
     stop = asyncio.Event()
     task = asyncio.create_task(agent.run(stop))
@@ -421,11 +422,11 @@ async def running_agent(config: Any, redis_url: str) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def running_consumer(redis_url: str) -> Any:
+async def running_consumer(redis_url: str, **bus_opts: Any) -> Any:
     from gateway.consumer import Consumer, ConsumerConfig
     from gateway.contract.redis_bus import RedisBus
 
-    bus = RedisBus(redis_url, socket_timeout=1.0, connect_timeout=0.5)
+    bus = RedisBus(redis_url, socket_timeout=1.0, connect_timeout=0.5, **bus_opts)
     config = ConsumerConfig(block_ms=50, poll_interval=0.05, snapshot_retry=0.1, expiry_grace=1.5)
     consumer = Consumer(bus, config=config)
     await consumer.start()

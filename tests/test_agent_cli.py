@@ -13,6 +13,7 @@ import redis
 from agent_helpers import FakeEngine, drive, running_consumer, wait_until
 
 from gateway.contract.settings import ConfigError
+from gateway.contract.wire import RedisLayout
 from loadtest.harness import ChildProcess, RedisServer, free_port
 from worker_agent.cli import add_arguments, build_config
 
@@ -76,7 +77,7 @@ async def test_agent_process_runs_and_deregisters_on_sigterm(
             proc.signal(signal.SIGTERM)
             await wait_until(lambda: not proc.alive(), 10, "exit")
             assert proc.proc is not None and proc.proc.returncode == 0
-            assert not redis.Redis.from_url(redis_server.url).exists("kvroute:worker:cli1")
+            assert not redis.Redis.from_url(redis_server.url).exists(RedisLayout().worker("cli1"))
             await wait_until(lambda: "cli1" not in consumer.workers(), 5, "gone")
     finally:
         proc.stop()

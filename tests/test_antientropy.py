@@ -19,6 +19,7 @@ from gateway.contract.wire import (
     ENTRY_FIELD,
     Digest,
     Entry,
+    RedisLayout,
     Removed,
     Stored,
     decode_entry,
@@ -134,7 +135,7 @@ def test_lost_store_and_removal_are_found_and_healed_within_one_period(tmp_path:
         assert wait_for(lambda: not stack.diverged(), 10) is not None
         wid = stack.worker_id(0)
         r = redis.Redis.from_url(stack.redis_url)
-        stream = f"kvroute:stream:{wid}"
+        stream = RedisLayout().stream(wid)
         # the agent is idle: its next entry would be last + 1; write that seq ourselves, so
         # nothing looks missing, holding one store the worker never made and one removal of a
         # key it holds (a lost removal and a lost store, as the index sees them)
@@ -185,7 +186,7 @@ def test_lost_store_and_removal_are_found_and_healed_within_one_period(tmp_path:
 
 def _snapshot_keys(r: redis.Redis, wid: str) -> list[int]:
     """The worker's keys in its latest snapshot, parent-first."""
-    data = r.get(f"kvroute:snapshot:{wid}")
+    data = r.get(RedisLayout().snapshot(wid))
     if data is None:
         return []
     return [k for _, chain in decode_snapshot(data).chains for k in chain]

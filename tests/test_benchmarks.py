@@ -148,3 +148,20 @@ def test_faults_benchmark_reports_every_scenario(
     assert [row["fault"] for row in r["table"]] == ["redis_outage", "bad_events"]
     r = bench(capsys, "faults", "--faults", "stuck_worker")
     assert not r["ok"] and r["failed_requests"] == 1
+
+
+def test_events_fleet(capsys: pytest.CaptureFixture[str]) -> None:
+    """Simulated agents on a 3-shard Redis Cluster, and on one redis-server as the baseline."""
+    r = bench(capsys, "events", "--workers", "8", "--cluster", "3", "--blocks", "2000",
+              "--rate", "2000", "--duration", "1", "--idle", "0.3", "--capacity", "800")  # fmt: skip
+    assert r["mode"] == "fleet" and len(r["runs"]) == 2
+    cluster, single = r["runs"]
+    assert cluster["redis"] == "cluster of 3 primaries" and len(cluster["redis_cpu_seconds"]) == 3
+    for run in r["runs"]:
+        assert run["index_equals_mirrors"] and run["workers"] == 8
+        assert run["blocks_per_s"] > 0 and run["burst_blocks"] >= 2000
+        assert run["lag_entries"] > 0 and 0 < run["lag_p50_ms"] <= run["lag_p99_ms"]
+        assert run["bytes_per_block"] > 0 and run["consumer_cpu_us_per_block_burst"] > 0
+    assert single["redis"] == "one redis-server"
+    assert r["ratios_cluster_over_one_node"]["blocks_per_s"] > 0
+    assert r["ok"] == all(r["targets"].values())

@@ -93,9 +93,10 @@ async def test_garbage_entry_reads_as_none(redis_server: RedisServer) -> None:
     bus = RedisBus(redis_server.url, prefix="t:")
     try:
         r = redis.Redis.from_url(redis_server.url)
-        r.xadd("t:stream:a", {"e": b"\xc1junk"})
-        r.xadd("t:stream:a", {"other": b"x"})
-        r.xadd("t:stream:a", {"e": encode_entry(entry(1)).replace(b"\x01", b"\x09", 1)})
+        key = bus.layout.stream("a")
+        r.xadd(key, {"e": b"\xc1junk"})
+        r.xadd(key, {"other": b"x"})
+        r.xadd(key, {"e": encode_entry(entry(1)).replace(b"\x01", b"\x09", 1)})
         (got,) = await bus.read({"a": "0"})
         assert [e for _, e in got.entries] == [None, None, None]
     finally:

@@ -467,7 +467,7 @@ def test_schema_follows_the_code() -> None:
         "server": {"host", "port", "workers", "metrics_port"},
         "proxy": {"upstream_api_key"},
         "index": {"hash_seed"},
-        "redis": {"url", "tls_ca_file", "password"},
+        "redis": {"url", "tls_ca_file", "password", "cluster", "sentinels", "sentinel_master"},
     }
     sections = {
         "server": gc.ServerSettings,
@@ -1451,3 +1451,70 @@ def test_disaggregated_pools_render_a_deployment_per_role(
             assert eng[eng.index("--disaggregation-mode") + 1] == role
             assert ("--disaggregation-bootstrap-port" in eng) == (role == "prefill")
             assert ("--bootstrap-port" in agent) == (role == "prefill")
+
+
+# -- Redis Cluster and Sentinel ------------------------------------------------------------------
+
+
+def _external(**extra: Any) -> dict[str, Any]:
+    return {
+        "redis": {"mode": "external", "external": {"url": "redis://redis:6379/0", **extra}},
+        "pools": [{"name": "p", "model": "m", "workers": {"engine": "vllm"}}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("extra", "env", "args"),
+    [
+        ({"cluster": True}, {"KVROUTE_REDIS__CLUSTER": "true"}, ["--redis-cluster"]),
+        (
+            {"sentinels": ["s0:26379", "s1:26379"], "sentinelMaster": "kv"},
+            {
+                "KVROUTE_REDIS__SENTINELS": "s0:26379,s1:26379",
+                "KVROUTE_REDIS__SENTINEL_MASTER": "kv",
+            },
+            ["--redis-sentinels", "s0:26379,s1:26379", "--redis-sentinel-master", "kv"],
+        ),
+    ],
+    ids=["cluster", "sentinel"],
+)
+def test_external_redis_cluster_and_sentinel_reach_gateway_and_agents(
+    helm: Any, tmp_path: Path, extra: dict[str, Any], env: dict[str, str], args: list[str]
+) -> None:
+    r = render_with(helm, tmp_path, _external(**extra))
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    gw = find(docs, "Deployment", f"{RELEASE}-kvroute-gateway")
+    got = {e["name"]: e.get("value") for e in container(gw, "gateway")["env"]}
+    assert {k: got.get(k) for k in env} == env
+    (pool,) = workers(docs)
+    agent_args = container(pool, "agent")["args"]
+    at = agent_args.index(args[0])
+    assert agent_args[at : at + len(args)] == args
+    plain = [d for d in yaml.safe_load_all(render_with(helm, tmp_path, _external()).stdout) if d]
+    gw_env = {
+        e["name"]
+        for e in container(find(plain, "Deployment", gw["metadata"]["name"]), "gateway")["env"]
+    }
+    assert not gw_env & set(env)  # a single Redis: none of it
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"cluster": True, "sentinels": ["s:1"], "sentinelMaster": "m"}, "exclude each other"),
+        ({"sentinels": ["s:1"]}, "sentinelMaster (the primary's name) is required"),
+    ],
+    ids=["cluster-and-sentinels", "sentinels-without-master"],
+)
+def test_bad_cluster_or_sentinel_values_fail(
+    helm: Any, tmp_path: Path, extra: dict[str, Any], message: str
+) -> None:
+    r = render_with(helm, tmp_path, _external(**extra))
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+
+
+def test_sentinel_addresses_are_checked_by_the_schema(helm: Any, tmp_path: Path) -> None:
+    r = render_with(helm, tmp_path, _external(sentinels=["no-port"], sentinelMaster="m"))
+    assert r.returncode != 0
+    assert "values don't meet the specifications of the schema" in r.stderr, r.stderr

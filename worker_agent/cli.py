@@ -22,6 +22,8 @@ _FLAGS: dict[str, tuple[str, Any, str]] = {
     "--engine": ("engine.kind", str, "vllm or sglang"),
     "--engine-url": ("engine.url", str, "engine HTTP base URL (discovery, /metrics)"),
     "--redis": ("redis.url", str, "redis:// or rediss:// URL (AUTH via the URL)"),
+    "--redis-sentinels": ("redis.sentinels", str, "host:port,... of Redis Sentinels"),
+    "--redis-sentinel-master": ("redis.sentinel_master", str, "the primary's name (Sentinel)"),
     "--worker-id": ("worker_id", str, "this worker's id (unique in the deployment)"),
     "--model": ("model", str, "served model name"),
     "--pool": ("pool", str, "pool name (default: the model)"),
@@ -45,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file with agent settings")
     for flag, (path, typ, help_text) in _FLAGS.items():
         parser.add_argument(flag, type=typ, dest=_dest(flag), help=f"{help_text} [{path}]")
+    parser.add_argument(
+        "--redis-cluster",
+        action="store_const",
+        const=True,
+        dest="opt_redis_cluster",
+        help="the Redis at --redis is a Redis Cluster [redis.cluster]",
+    )
     parser.add_argument("--label", action="append", metavar="K=V", help="worker label (repeatable)")
     parser.add_argument(
         "--set",
@@ -60,6 +69,8 @@ def build_config(args: argparse.Namespace, env: dict[str, str] | None = None) ->
         value = getattr(args, _dest(flag), None)
         if value is not None:
             overrides[path] = value
+    if getattr(args, "opt_redis_cluster", None):
+        overrides["redis.cluster"] = True
     for item in args.label or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -101,6 +112,9 @@ async def _main(cfg: AgentConfig) -> int:
         prefix=cfg.redis.prefix,
         password=cfg.redis.password,
         max_stream_len=cfg.redis.max_stream_len,
+        cluster=cfg.redis.cluster,
+        sentinels=cfg.redis.sentinels,
+        sentinel_master=cfg.redis.sentinel_master,
     )
     try:
         await Agent(cfg, bus).run(stop)

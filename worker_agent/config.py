@@ -32,6 +32,11 @@ class RedisConfig:
     password: str | None = None
     prefix: str = "kvroute:"
     max_stream_len: int = 1_000_000
+    #: Redis Cluster: ``url`` names any node (this worker's keys share one hash tag)
+    cluster: bool = False
+    #: Redis Sentinel: ``host:port`` of each sentinel, naming the primary ``sentinel_master``
+    sentinels: list[str] = field(default_factory=list)
+    sentinel_master: str = ""
 
 
 #: worker roles: both halves of a request, or one of prefill/decode disaggregation
@@ -76,5 +81,9 @@ class AgentConfig:
             raise ValueError(
                 f"role must be one of {', '.join(map(repr, ROLES))}, got {self.role!r}"
             )
+        if self.redis.cluster and self.redis.sentinels:
+            raise ValueError("redis: cluster and sentinels exclude each other")
+        if self.redis.sentinels and not self.redis.sentinel_master:
+            raise ValueError("redis.sentinels: needs redis.sentinel_master (the primary's name)")
         if self.registration_ttl <= self.heartbeat_interval:
             raise ValueError("registration_ttl must exceed heartbeat_interval")

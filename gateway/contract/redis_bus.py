@@ -1,17 +1,35 @@
 """``RedisBus``: the event bus on Redis Streams (redis-py asyncio, RESP2).
 
 The key layout is ``gateway.contract.wire.RedisLayout`` (docs/protocol.md, "Redis keys").
-Appends are pipelined (one round trip per batch); reads use one XREAD over all streams.
-``rediss://`` URLs use TLS; a password in the URL (or ``password=``) sends AUTH.
+Appends are pipelined (one round trip per batch). ``rediss://`` URLs use TLS; a password in
+the URL (or ``password=``) sends AUTH.
+
+Three ways to reach Redis, chosen at construction:
+
+* one node (``url``): reads are one blocking XREAD over all streams;
+* Redis Cluster (``cluster=True``, ``url`` names any node): redis-py's ``RedisCluster``
+  follows the slot map and its changes after a failover. A worker's keys share the hash
+  tag of its stream group, so every command touches one slot. Redis refuses a multi-key
+  command across slots (even on one node), so a read is one blocking XREAD per group
+  (``STREAM_GROUPS`` at most), all in flight at once on their own connections;
+* Sentinel (``sentinels=["host:port", ...]``, ``sentinel_master``; ``url``, if given, only
+  for its credentials, database and TLS): the sentinels name the primary on every new
+  connection, so after a failover the next reconnect reaches the new
+  primary (a failed command raises ``BusError`` and the caller retries).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import parse_url
+from redis.asyncio.sentinel import Sentinel
+from redis.exceptions import RedisClusterException, RedisError
 
 from gateway.contract.bus import BusError, EventBus, StreamRead
 from gateway.contract.wire import (
@@ -31,7 +49,13 @@ from gateway.contract.wire import (
     try_decode_entry,
 )
 
-__all__ = ["RedisBus"]
+__all__ = ["RedisBus", "parse_sentinels"]
+
+#: stream keys (and their slots) remembered per bus before the memo starts over
+_MEMO_MAX = 100_000
+
+#: what a failed or refused command raises (cluster slot-map errors are not RedisErrors)
+_ERRORS = (RedisError, RedisClusterException, OSError)
 
 
 class RedisBus(EventBus):
@@ -50,22 +74,40 @@ class RedisBus(EventBus):
         max_stream_len: int | None = 1_000_000,
         socket_timeout: float = 5.0,
         connect_timeout: float = 2.0,
+        cluster: bool = False,
+        sentinels: Sequence[str] = (),
+        sentinel_master: str = "",
         **kwargs: Any,
     ) -> None:
         self.layout = RedisLayout(prefix)
         self.max_stream_len = max_stream_len
+        self.cluster = cluster
         opts: dict[str, Any] = {
             "socket_timeout": socket_timeout,
             "socket_connect_timeout": connect_timeout,
-            "health_check_interval": 10,
-            "retry_on_timeout": False,
             **kwargs,
         }
         if password is not None:
             opts["password"] = password
-        self._r: aioredis.Redis = aioredis.Redis.from_url(url, **opts)
-        # XREAD BLOCK holds its connection: give blocking reads their own client.
-        self._reader: aioredis.Redis = aioredis.Redis.from_url(url, **opts)
+        self._r: Any
+        self._reader: Any
+        self._worker_key: dict[str, str] = {}
+        self._key_worker: dict[str, str] = {}
+        self._key_slot: dict[str, int] = {}
+        #: cluster reads in flight: slot -> (positions, XREAD task)
+        self._inflight: dict[int, tuple[dict[str, str], asyncio.Future[Any]]] = {}
+        if cluster and sentinels:
+            raise ValueError("redis: cluster and sentinels exclude each other")
+        if cluster:
+            # one client: its pool per node gives each blocking read a connection of its own
+            self._r = self._reader = RedisCluster.from_url(url, **opts)
+        elif sentinels:
+            self._r, self._reader = _sentinel_clients(url, sentinels, sentinel_master, opts)
+        else:
+            opts.update(health_check_interval=10, retry_on_timeout=False)
+            self._r = aioredis.Redis.from_url(url, **opts)
+            # XREAD BLOCK holds its connection: give blocking reads their own client.
+            self._reader = aioredis.Redis.from_url(url, **opts)
 
     # -- streams ----------------------------------------------------------------------------
 
@@ -83,7 +125,7 @@ class RedisBus(EventBus):
                         approximate=True,
                     )
                 ids = await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"XADD to {key} failed: {exc}") from exc
         return [_s(i) for i in ids]
 
@@ -92,27 +134,119 @@ class RedisBus(EventBus):
     ) -> list[StreamRead]:
         if not positions:
             return []
-        streams = {self.layout.stream(w): pos for w, pos in positions.items()}
+        streams = {self._stream_key(w): pos for w, pos in positions.items()}
         try:
-            reply: Any = await self._reader.xread(streams, count=count, block=block_ms)  # type: ignore[arg-type]
-        except (RedisError, OSError) as exc:
+            if self.cluster:
+                reply = await self._read_cluster(streams, count, block_ms)
+            else:
+                reply = await self._reader.xread(streams, count=count, block=block_ms)
+        except _ERRORS as exc:
             raise BusError(f"XREAD failed: {exc}") from exc
         out = []
         for key, items in reply or []:
             entries = [(_s(sid), _decode_fields(fields)) for sid, fields in items]
-            out.append(StreamRead(self.layout.stream_worker(_s(key)), entries))
+            k = _s(key)
+            worker = self._key_worker.get(k) or self.layout.stream_worker(k)
+            out.append(StreamRead(worker, entries))
+        return out
+
+    def _stream_key(self, worker: str) -> str:
+        """``layout.stream(worker)``, memoised: a read names every worker's stream."""
+        key = self._worker_key.get(worker)
+        if key is None:
+            if len(self._worker_key) >= _MEMO_MAX:  # ids churn over days: start over
+                self._worker_key.clear()
+                self._key_worker.clear()
+                self._key_slot.clear()
+            key = self._worker_key[worker] = self.layout.stream(worker)
+            self._key_worker[key] = worker
+        return key
+
+    async def _read_cluster(
+        self, streams: dict[str, str], count: int, block_ms: int | None
+    ) -> list[Any]:
+        """One blocking XREAD per slot (stream group), all in flight at once.
+
+        A group's read is started with the positions of the moment and left running across
+        calls (cancelling a blocking read would cost its connection); a call returns what
+        the reads finished by then hold, waiting up to ``block_ms`` for the first. Entries
+        read for a stream whose position has changed meanwhile (a re-bootstrap) are dropped
+        and read again from the new position: XREAD consumes nothing."""
+        groups: dict[int, dict[str, str]] = {}
+        for key, pos in streams.items():
+            slot = self._key_slot.get(key)
+            if slot is None:
+                slot = self._key_slot[key] = self._reader.keyslot(key)
+            groups.setdefault(slot, {})[key] = pos
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (block_ms or 0) / 1000
+        while True:
+            for slot, positions in groups.items():
+                if slot not in self._inflight:
+                    read = self._xread_slot(slot, positions, count, block_ms)
+                    self._inflight[slot] = (positions, asyncio.ensure_future(read))
+            tasks = [t for _, t in self._inflight.values()]
+            left = deadline - loop.time()
+            if left > 0 and not any(t.done() for t in tasks):
+                await asyncio.wait(tasks, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                out = self._collect_reads(streams)
+            except _ERRORS:
+                # the slot map may be stale (a failover): refresh it before the next call
+                with contextlib.suppress(*_ERRORS):
+                    await self._reader.nodes_manager.initialize()
+                raise
+            # a group that timed out empty is read again until data comes or time is up
+            if out or loop.time() >= deadline:
+                return out
+
+    async def _xread_slot(
+        self, slot: int, positions: dict[str, str], count: int, block_ms: int | None
+    ) -> Any:
+        """XREAD of one slot's streams sent straight to the slot's primary: redis-py would
+        otherwise ask the server for the keys of every XREAD (COMMAND GETKEYS, a round trip:
+        XREAD's keys are "movable")."""
+        await self._reader.initialize()
+        node = self._reader.nodes_manager.get_node_from_slot(slot)
+        args: list[Any] = ["COUNT", count]
+        if block_ms:
+            args += ["BLOCK", block_ms]
+        args += ["STREAMS", *positions.keys(), *positions.values()]
+        return await self._reader.execute_command("XREAD", *args, target_nodes=node)
+
+    def _collect_reads(self, streams: dict[str, str]) -> list[Any]:
+        """Replies of the finished group reads for streams still at the position read from;
+        a failure is raised unless another group read something (the next call retries)."""
+        out: list[Any] = []
+        failed: BaseException | None = None
+        for slot, (positions, task) in list(self._inflight.items()):
+            if not task.done():
+                continue
+            del self._inflight[slot]
+            if task.cancelled():
+                continue
+            exc = task.exception()
+            if exc is not None:
+                failed = failed or exc
+                continue
+            for key, items in task.result() or []:
+                k = _s(key)
+                if streams.get(k) == positions.get(k):
+                    out.append((k, items))
+        if failed is not None and not out:
+            raise failed
         return out
 
     async def trim(self, worker: str, min_id: str) -> None:
         try:
             await self._r.xtrim(self.layout.stream(worker), minid=min_id, approximate=True)
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"XTRIM failed: {exc}") from exc
 
     async def stream_bytes(self, worker: str) -> int:
         try:
             return int(await self._r.memory_usage(self.layout.stream(worker), samples=0) or 0)
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"MEMORY USAGE failed: {exc}") from exc
 
     # -- snapshots --------------------------------------------------------------------------
@@ -120,13 +254,13 @@ class RedisBus(EventBus):
     async def write_snapshot(self, worker: str, snapshot: Snapshot) -> None:
         try:
             await self._r.set(self.layout.snapshot(worker), encode_snapshot(snapshot))
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"snapshot write failed: {exc}") from exc
 
     async def read_snapshot(self, worker: str) -> Snapshot | None:
         try:
             data: Any = await self._r.get(self.layout.snapshot(worker))
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"snapshot read failed: {exc}") from exc
         if data is None:
             return None
@@ -143,7 +277,7 @@ class RedisBus(EventBus):
                 pipe.set(self.layout.worker(info.worker_id), encode_worker(info), px=_ms(ttl))
                 pipe.sadd(self.layout.workers, info.worker_id)
                 await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"register failed: {exc}") from exc
 
     async def deregister(self, worker: str) -> None:
@@ -152,7 +286,7 @@ class RedisBus(EventBus):
                 pipe.delete(self.layout.worker(worker), self.layout.load(worker))
                 pipe.srem(self.layout.workers, worker)
                 await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"deregister failed: {exc}") from exc
 
     async def workers(self) -> dict[str, WorkerInfo]:
@@ -160,8 +294,8 @@ class RedisBus(EventBus):
             ids = sorted(_s(m) for m in await self._r.smembers(self.layout.workers))
             if not ids:
                 return {}
-            values: list[Any] = await self._r.mget([self.layout.worker(w) for w in ids])
-        except (RedisError, OSError) as exc:
+            values = await self._mget([self.layout.worker(w) for w in ids])
+        except _ERRORS as exc:
             raise BusError(f"registry read failed: {exc}") from exc
         out = {}
         lapsed = []
@@ -176,7 +310,7 @@ class RedisBus(EventBus):
         if lapsed:  # keep the set bounded; a live agent re-adds itself every heartbeat
             try:
                 await self._r.srem(self.layout.workers, *lapsed)
-            except (RedisError, OSError) as exc:
+            except _ERRORS as exc:
                 raise BusError(f"registry prune failed: {exc}") from exc
         return out
 
@@ -185,15 +319,15 @@ class RedisBus(EventBus):
     async def publish_report(self, worker: str, report: EngineReport, ttl: float) -> None:
         try:
             await self._r.set(self.layout.load(worker), encode_report(report), px=_ms(ttl))
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"load report failed: {exc}") from exc
 
     async def read_reports(self, workers: Sequence[str]) -> dict[str, EngineReport]:
         if not workers:
             return {}
         try:
-            values: list[Any] = await self._r.mget([self.layout.load(w) for w in workers])
-        except (RedisError, OSError) as exc:
+            values = await self._mget([self.layout.load(w) for w in workers])
+        except _ERRORS as exc:
             raise BusError(f"load read failed: {exc}") from exc
         out = {}
         for w, data in zip(workers, values, strict=True):
@@ -204,15 +338,61 @@ class RedisBus(EventBus):
                     continue
         return out
 
+    async def _mget(self, keys: list[str]) -> list[Any]:
+        """MGET; on a cluster split by slot (each worker's keys have a slot of their own)."""
+        if self.cluster:
+            return list(await self._r.mget_nonatomic(keys))
+        return list(await self._r.mget(keys))
+
     async def ping(self) -> None:
         try:
             await self._r.ping()
-        except (RedisError, OSError) as exc:
+        except _ERRORS as exc:
             raise BusError(f"PING failed: {exc}") from exc
 
     async def close(self) -> None:
+        for _, task in self._inflight.values():
+            task.cancel()
+        if self._inflight:
+            await asyncio.wait([t for _, t in self._inflight.values()])
+            self._inflight.clear()
         await self._r.aclose()
-        await self._reader.aclose()
+        if self._reader is not self._r:
+            await self._reader.aclose()
+
+
+def _sentinel_clients(
+    url: str, sentinels: Sequence[str], master: str, opts: dict[str, Any]
+) -> tuple[Any, Any]:
+    """Clients of the primary the sentinels name (asked again on every new connection); the
+    URL, if any, still gives the credentials, database and TLS (not the host)."""
+    if not master:
+        raise ValueError("redis: sentinels need sentinel_master (the primary's name)")
+    sentinel = Sentinel(
+        parse_sentinels(sentinels),
+        socket_timeout=opts["socket_timeout"],
+        socket_connect_timeout=opts["socket_connect_timeout"],
+    )
+    parsed = parse_url(url) if url else {}
+    conn: dict[str, Any] = {k: v for k, v in parsed.items() if k not in ("host", "port")}
+    conn.pop("connection_class", None)  # the sentinel pool picks its own class
+    if url.startswith("rediss://"):
+        conn["ssl"] = True
+    conn.update(opts)
+    return sentinel.master_for(master, **conn), sentinel.master_for(master, **conn)
+
+
+def parse_sentinels(items: Sequence[str]) -> list[tuple[str, int]]:
+    """``["host:port", ...]`` -> ``[(host, port), ...]`` (port 26379 when omitted)."""
+    out = []
+    for item in items:
+        host, sep, port = item.strip().rpartition(":")
+        if not sep:
+            host, port = port, "26379"
+        if not host or not port.isdigit():
+            raise ValueError(f"redis.sentinels: expected host:port, got {item!r}")
+        out.append((host, int(port)))
+    return out
 
 
 def _s(v: bytes | str) -> str:

@@ -16,6 +16,7 @@ The block keys themselves (section 1) are ``gateway.routing.keys``.
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -217,23 +218,71 @@ def try_decode_entry(data: bytes) -> Entry | None:
 ENTRY_FIELD = b"e"
 
 
+#: Redis Cluster slots (keys hash to ``CRC16(tag) mod 16384``).
+CLUSTER_SLOTS = 16384
+#: hash tags a deployment's workers are spread over (a protocol constant: both sides must
+#: agree on every key name, so it is not a setting)
+STREAM_GROUPS = 60
+
+
+def cluster_slot(tag: str) -> int:
+    """The Redis Cluster slot of a hash tag (CRC16/XMODEM, as Redis computes it)."""
+    return binascii.crc_hqx(tag.encode(), 0) % CLUSTER_SLOTS
+
+
+def _group_tags(n: int) -> tuple[str, ...]:
+    """``n`` tags whose slots fall one in each of ``n`` equal slot ranges, so that a
+    cluster whose shards own equal contiguous ranges (``redis-cli --cluster create``) gets
+    an equal share of groups: the first ``kv<i>.<j>`` whose slot is in range ``i``."""
+    tags = []
+    for i in range(n):
+        lo, hi = i * CLUSTER_SLOTS // n, (i + 1) * CLUSTER_SLOTS // n
+        j = 0
+        while not lo <= cluster_slot(f"kv{i}.{j}") < hi:
+            j += 1
+        tags.append(f"kv{i}.{j}")
+    return tuple(tags)
+
+
+_GROUP_TAGS = _group_tags(STREAM_GROUPS)
+
+
+def stream_group(worker: str) -> int:
+    """The group of a worker: a stable hash of its id (the same in every process)."""
+    digest = hashlib.blake2b(worker.encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") % STREAM_GROUPS
+
+
 @dataclass(frozen=True)
 class RedisLayout:
-    """Where each record of the contract lives in Redis, under one key ``prefix``."""
+    """Where each record of the contract lives in Redis, under one key ``prefix``.
+
+    A worker's keys carry the hash tag of its stream group (``{kv<i>.<j>}``, one of
+    ``STREAM_GROUPS``): on Redis Cluster its stream, snapshot, registration and load report
+    share one slot (one shard), and the streams of one group can be read by one blocking
+    XREAD (Redis refuses a multi-key command across slots, even on one node). Single-node
+    Redis ignores the braces. The registry set is one key of its own, read with single-key
+    commands only.
+    """
 
     prefix: str = "kvroute:"
 
+    @staticmethod
+    def tag(worker: str) -> str:
+        """The hash tag of ``worker``'s keys, braces included."""
+        return "{" + _GROUP_TAGS[stream_group(worker)] + "}"
+
     def stream(self, worker: str) -> str:
-        return f"{self.prefix}stream:{worker}"
+        return f"{self.prefix}stream:{self.tag(worker)}:{worker}"
 
     def snapshot(self, worker: str) -> str:
-        return f"{self.prefix}snapshot:{worker}"
+        return f"{self.prefix}snapshot:{self.tag(worker)}:{worker}"
 
     def worker(self, worker: str) -> str:
-        return f"{self.prefix}worker:{worker}"
+        return f"{self.prefix}worker:{self.tag(worker)}:{worker}"
 
     def load(self, worker: str) -> str:
-        return f"{self.prefix}load:{worker}"
+        return f"{self.prefix}load:{self.tag(worker)}:{worker}"
 
     @property
     def workers(self) -> str:
@@ -241,7 +290,7 @@ class RedisLayout:
 
     def stream_worker(self, key: str) -> str:
         """The worker id of a stream key."""
-        return key[len(self.prefix) + len("stream:") :]
+        return key[len(self.prefix) + len("stream:") :].partition("}:")[2]
 
 
 # -- key digest ------------------------------------------------------------------------------

@@ -22,6 +22,9 @@ its parent's key, with the agent's seed and block size), and ``index_equals_engi
 equality of ``key_digest`` of that set and of the index's key set for the worker (the digest
 the gateway's ``/debug/index`` and the agent's ``/mirror`` publish), not of their sizes.
 ``ok``: that equality and P2's end-to-end targets (>= 100,000 blocks/s; lag p99 <= 50 ms).
+
+``--workers N`` runs the fleet variant instead (``loadtest/benchmarks/_fleet.py``): N simulated
+agents on a ``--cluster K``-shard Redis Cluster, with one redis-server as the baseline.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from gateway.consumer import Consumer, ConsumerConfig
 from gateway.contract.redis_bus import RedisBus
 from gateway.contract.wire import Entry, Removed, Stored, key_digest
 from gateway.routing.keys import BlockKeyer
+from loadtest.benchmarks import _fleet
 from loadtest.harness import ChildProcess, RedisServer, free_ports
 
 NAME = "events"
@@ -69,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=int, default=100_000, help="engine cache, blocks")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    _fleet.add_arguments(parser)
 
 
 # -- a synthetic engine -----------------------------------------------------------------------
@@ -411,6 +416,8 @@ async def _wait(cond: Any, within: float) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.workers:
+        return _fleet.run(args)
     try:
         return asyncio.run(_run(args))
     except TimeoutError as exc:

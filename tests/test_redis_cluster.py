@@ -1,0 +1,318 @@
+"""The event bus past one Redis: Redis Cluster and Sentinel, with a primary killed mid-run.
+
+Real ``redis-server`` processes in cluster mode (3 primaries + 3 replicas) or under three
+sentinels, real agents (ZMQ from fake engines) and a real gateway consumer, all on loopback.
+After a failover the consumer's index must equal every agent's mirror again (key sets and
+their digests): nothing lost, nothing left over. Every wait polls a condition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_helpers import (
+    AGENT_SEED,
+    FakeEngine,
+    agent_config,
+    drive,
+    join,
+    running_agent,
+    running_consumer,
+    settle,
+    wait_until,
+)
+from redis.cluster import key_slot
+
+from gateway.config import GatewayConfig
+from gateway.contract.bus import BusError
+from gateway.contract.redis_bus import RedisBus, parse_sentinels
+from gateway.contract.settings import ConfigError, load_config
+from gateway.contract.wire import (
+    STREAM_GROUPS,
+    Entry,
+    RedisLayout,
+    Stored,
+    WorkerInfo,
+    cluster_slot,
+    key_digest,
+)
+from gateway.main import add_arguments as gateway_arguments
+from gateway.main import config_from_args, make_bus
+from gateway.routing.keys import BlockKeyer
+from loadtest.harness import free_port
+from loadtest.redis_topologies import LocalCluster, LocalSentinel
+from worker_agent.cli import add_arguments as agent_arguments
+from worker_agent.cli import build_config as agent_build_config
+
+KEYER = BlockKeyer(AGENT_SEED, 16)
+WORKERS = [f"cw{i}" for i in range(6)]
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    with LocalCluster(workdir=tmp_path / "cluster") as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def redis_sentinel(tmp_path: Path) -> Iterator[LocalSentinel]:
+    with LocalSentinel(workdir=tmp_path / "sentinel") as sentinel:
+        yield sentinel
+
+
+# -- layout and configuration ------------------------------------------------------------------
+
+
+def test_a_workers_keys_share_one_slot() -> None:
+    layout = RedisLayout()
+    for w in ["w1", "pod-7.rank-3", "a}b", "x{y"]:
+        keys = [layout.stream(w), layout.snapshot(w), layout.worker(w), layout.load(w)]
+        assert len({key_slot(k.encode()) for k in keys}) == 1, w
+        assert layout.stream_worker(layout.stream(w)) == w
+    # the group tags split the slots evenly: any cluster of equal contiguous shards gets an
+    # equal share of groups (3 shards: 20 each)
+    tags = [RedisLayout.tag(f"w{i}") for i in range(2000)]
+    assert len(set(tags)) == STREAM_GROUPS
+    bounds = [i * 16384 // STREAM_GROUPS for i in range(STREAM_GROUPS + 1)]
+    ranges = sorted(bisect_right(bounds, cluster_slot(t[1:-1])) - 1 for t in set(tags))
+    assert ranges == list(range(STREAM_GROUPS))
+    thirds = Counter(cluster_slot(t[1:-1]) * 3 // 16384 for t in set(tags))
+    assert thirds == {0: 20, 1: 20, 2: 20}
+
+
+def test_sentinel_addresses_parse_and_bad_ones_are_refused() -> None:
+    assert parse_sentinels(["a:1", " b:26380", "c"]) == [("a", 1), ("b", 26380), ("c", 26379)]
+    for bad in ["a:x", ":1"]:
+        with pytest.raises(ValueError, match="host:port"):
+            parse_sentinels([bad])
+    with pytest.raises(ValueError, match="exclude"):
+        RedisBus("redis://127.0.0.1:1", cluster=True, sentinels=["a:1"])
+    with pytest.raises(ValueError, match="sentinel_master"):
+        RedisBus("", sentinels=["a:1"])
+
+
+async def test_sentinel_url_gives_credentials_and_database() -> None:
+    bus = RedisBus("redis://u:pw@ignored:1/3", sentinels=["a:1"], sentinel_master="m")
+    try:
+        kwargs = bus._r.connection_pool.connection_kwargs
+        assert (kwargs["username"], kwargs["password"], kwargs["db"]) == ("u", "pw", 3)
+        assert "host" not in kwargs  # the sentinels name the primary
+    finally:
+        await bus.close()
+
+
+def _gateway_args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    gateway_arguments(p)
+    return p.parse_args(["--set", "pools.0.model=m", "--set", "pools.0.tokenizer=t", *argv])
+
+
+def test_gateway_flags_env_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = config_from_args(_gateway_args("--redis", "redis://h:1", "--redis-cluster"))
+    assert cfg.redis.cluster
+    bus = make_bus(cfg)
+    assert isinstance(bus, RedisBus) and bus.cluster
+    cfg = config_from_args(
+        _gateway_args("--redis-sentinels", "s1:1,s2:2", "--redis-sentinel-master", "mm")
+    )
+    assert cfg.redis.sentinels == ["s1:1", "s2:2"] and cfg.redis.enabled
+    assert isinstance(make_bus(cfg), RedisBus)
+    env = {"KVROUTE_REDIS__URL": "redis://h:1", "KVROUTE_REDIS__CLUSTER": "true"}
+    cfg = load_config(
+        GatewayConfig, env=env, overrides={"pools.0.model": "m", "pools.0.tokenizer": "t"}
+    )
+    assert cfg.redis.cluster
+    both = ["--redis", "redis://h:1", "--redis-cluster", "--redis-sentinels", "s:1"]
+    for argv, msg in [
+        (["--redis-sentinels", "s:1"], "sentinel_master"),
+        (["--redis-cluster"], "needs redis.url"),
+        ([*both, "--redis-sentinel-master", "mm"], "exclude"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            config_from_args(_gateway_args(*argv))
+
+
+def test_agent_flags() -> None:
+    p = argparse.ArgumentParser()
+    agent_arguments(p)
+    base = ["--worker-id", "w", "--model", "m"]
+    cfg = agent_build_config(p.parse_args([*base, "--redis-cluster"]), env={})
+    assert cfg.redis.cluster and not cfg.redis.sentinels
+    args = p.parse_args([*base, "--redis-sentinels", "a:1,b:2", "--redis-sentinel-master", "x"])
+    cfg = agent_build_config(args, env={})
+    assert cfg.redis.sentinels == ["a:1", "b:2"] and cfg.redis.sentinel_master == "x"
+    with pytest.raises(ConfigError, match="sentinel_master"):
+        agent_build_config(p.parse_args([*base, "--redis-sentinels", "a:1"]), env={})
+    with pytest.raises(ConfigError, match="exclude"):
+        args = p.parse_args([*base, "--redis-cluster", "--redis-sentinels", "a:1"])
+        agent_build_config(args, env={})
+
+
+async def test_unreachable_cluster_raises_bus_error() -> None:
+    bus = RedisBus(f"redis://127.0.0.1:{free_port()}", cluster=True, connect_timeout=0.2)
+    try:
+
+        async def read_fails() -> bool:  # a read left in flight reports at a later call
+            try:
+                await bus.read({"w": "0"}, block_ms=10)
+            except BusError:
+                return True
+            return False
+
+        await wait_until(read_fails, 10, "BusError from read")
+        with pytest.raises(BusError):
+            await bus.workers()
+        with pytest.raises(BusError):
+            await bus.append("w", [Entry(1, 1, 1, 0.0, 0.0, [], [])])
+    finally:
+        await bus.close()
+
+
+# -- on a real cluster ---------------------------------------------------------------------------
+
+
+async def test_cluster_bus_reads_every_shard(redis_cluster: LocalCluster) -> None:
+    """Registry, reports and streams of workers on all three shards, through one client."""
+    layout = RedisLayout()
+    shards = {redis_cluster.primary_for(layout.stream(w)) for w in WORKERS}
+    assert len(shards) == 3
+    bus = RedisBus(redis_cluster.url, cluster=True)
+    try:
+        for i, w in enumerate(WORKERS):
+            await bus.register(WorkerInfo(worker_id=w, url="http://127.0.0.1:1", model="m"), 5)
+            await bus.append(w, [Entry(1, 1, 1, 0.0, 0.0, [], [Stored(None, [i])])])
+        assert sorted(await bus.workers()) == WORKERS
+        positions = dict.fromkeys(WORKERS, "0")
+        seen: dict[str, Any] = {}
+
+        async def read_all() -> bool:  # each call returns the groups read by then
+            for r in await bus.read(positions, block_ms=100):
+                seen[r.worker] = r.entries[0][1].events  # type: ignore[union-attr]
+                positions[r.worker] = r.entries[-1][0]
+            return len(seen) == len(WORKERS)
+
+        await wait_until(read_all, 10, "every worker's stream read")
+        assert seen == {w: [Stored(None, [i])] for i, w in enumerate(WORKERS)}
+        for _ in range(3):  # the reads left in flight hold nothing new
+            assert await bus.read(positions, block_ms=50) == []
+        await bus.deregister(WORKERS[0])
+        assert sorted(await bus.workers()) == WORKERS[1:]
+    finally:
+        await bus.close()
+
+
+async def test_cluster_read_drops_what_was_read_from_a_stale_position(
+    redis_cluster: LocalCluster,
+) -> None:
+    """A read left in flight from an old position (the consumer re-bootstrapped meanwhile)
+    is not returned: the stream is read again from the new position."""
+    writer = RedisBus(redis_cluster.url, cluster=True)
+    bus = RedisBus(redis_cluster.url, cluster=True)
+    try:
+        ids = [(await writer.append("w", [Entry(1, 1, i, 0.0, 0.0, [], [])]))[0] for i in (1, 2)]
+        first = asyncio.create_task(bus.read({"w": ids[1]}, block_ms=5000))
+        await wait_until(lambda: bool(bus._inflight), 5, "a blocking read in flight")
+        first.cancel()  # the caller gives up; the XREAD itself stays in flight
+        await writer.append("w", [Entry(1, 1, 3, 0.0, 0.0, [], [])])
+        got: list[Any] = []
+
+        async def reread() -> bool:
+            got[:] = await bus.read({"w": "0"}, block_ms=100)
+            return bool(got)
+
+        await wait_until(reread, 10, "the stream read from its start")
+        assert [e.seq for _, e in got[0].entries] == [1, 2, 3]  # type: ignore[union-attr]
+    finally:
+        await bus.close()
+        await writer.close()
+
+
+@contextlib.asynccontextmanager
+async def _fleet(url: str, **bus_opts: Any) -> AsyncIterator[tuple[Any, list[Any], list[Any]]]:
+    """A consumer and one agent (with its fake engine) per worker of ``WORKERS``."""
+    engines = [FakeEngine("vllm-0.33", seed=i) for i in range(len(WORKERS))]
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            consumer = await stack.enter_async_context(running_consumer(url, **bus_opts))
+            agents = []
+            for engine, w in zip(engines, WORKERS, strict=True):
+                config = agent_config(engine, worker=w, digest_interval=1.0)
+                agents.append(
+                    await stack.enter_async_context(running_agent(config, url, **bus_opts))
+                )
+            for engine, agent in zip(engines, agents, strict=True):
+                await join(engine, agent)
+            yield consumer, agents, engines
+    finally:
+        for engine in engines:
+            await engine.close()
+
+
+async def _drive_all(engines: list[Any], steps: int) -> None:
+    for engine in engines:
+        await drive(engine, steps)
+
+
+async def _index_equals_mirrors(consumer: Any, agents: list[Any], engines: list[Any]) -> None:
+    for engine, agent in zip(engines, agents, strict=True):
+        expected = engine.expected_keys(KEYER)
+        await wait_until(lambda a=agent, e=expected: a.mirror_keys() == e, 20, "mirror == engine")
+    await settle(consumer, agents, 40)
+    assert sorted(consumer.workers()) == WORKERS
+    for agent in agents:
+        w = agent.config.worker_id
+        assert key_digest(consumer.index.worker_keys(w)) == key_digest(agent.mirror_keys())
+
+
+async def _fail_over_while_publishing(engines: list[Any], fail: Callable[[], Any]) -> None:
+    """Run ``fail`` (blocking: kill + wait for the takeover) while engines keep publishing."""
+    done = asyncio.Event()
+
+    async def publish() -> None:
+        while not done.is_set():
+            await _drive_all(engines, 1)
+            await asyncio.sleep(0.05)  # pacing the load, not waiting for anything
+
+    task = asyncio.create_task(publish())
+    try:
+        await asyncio.to_thread(fail)
+    finally:
+        done.set()
+        await task
+
+
+async def test_cluster_shard_failover_loses_nothing(redis_cluster: LocalCluster) -> None:
+    url = redis_cluster.url
+    async with _fleet(url, cluster=True) as (consumer, agents, engines):
+        await _drive_all(engines, 5)
+        await _index_equals_mirrors(consumer, agents, engines)
+        stream = RedisLayout().stream(WORKERS[0])
+        victim = redis_cluster.primary_for(stream)
+        new: list[int] = []
+        await _fail_over_while_publishing(
+            engines, lambda: new.append(redis_cluster.fail_primary(victim))
+        )
+        assert redis_cluster.primary_for(stream) == new[0] != victim
+        await _drive_all(engines, 5)
+        await _index_equals_mirrors(consumer, agents, engines)
+        assert victim not in redis_cluster.shard_primaries()
+
+
+async def test_sentinel_failover_loses_nothing(redis_sentinel: LocalSentinel) -> None:
+    opts = {"sentinels": redis_sentinel.addresses, "sentinel_master": redis_sentinel.master}
+    async with _fleet("", **opts) as (consumer, agents, engines):
+        await _drive_all(engines, 5)
+        await _index_equals_mirrors(consumer, agents, engines)
+        old = redis_sentinel.master_port()
+        await _fail_over_while_publishing(engines, redis_sentinel.fail_primary)
+        assert redis_sentinel.master_port() != old
+        await _drive_all(engines, 5)
+        await _index_equals_mirrors(consumer, agents, engines)
