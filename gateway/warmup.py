@@ -72,12 +72,12 @@ class Warmer:
         reason = None
         if not self.settings.enabled:
             reason = "disabled"
+        elif len(ids) != intent.tokens:  # the prompt does not cover the prefix
+            reason = "bad_prefix"
         elif key in self._inflight:
             reason = "duplicate"
         elif len(self._inflight) >= self.settings.max_inflight:
             reason = "busy"
-        elif len(ids) != intent.tokens:
-            reason = "bad_prefix"
         if reason is not None:
             self.metrics.warmups_failed.labels(pool.name, intent.worker, reason).inc()
             return False
@@ -96,6 +96,7 @@ class Warmer:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        self._inflight.clear()
 
     async def _send(self, pool: Pool, intent: WarmupIntent, ids: list[int]) -> None:
         wid = intent.worker
