@@ -77,7 +77,7 @@ class PredictedTTFT(Policy):
         tie_ms: float = 1.0,
         tie_ratio: float = 0.02,
         replication: float = 1.0,
-        min_requests: float = 4.0,
+        min_requests: float = 2.0,
         max_scored: int = 16,
         step_ties: float = 0.0,
         warmup: bool = True,
