@@ -24,7 +24,7 @@ __all__ = ["PrefixPopularity"]
 
 class PrefixPopularity:
     def __init__(
-        self, half_life: float = 20.0, floor: float = 0.01, min_window: float = 0.25
+        self, half_life: float = 20.0, floor: float = 0.01, min_window: float = 0.1
     ) -> None:
         if half_life <= 0 or min_window <= 0:
             raise ValueError("half_life and min_window must be > 0")

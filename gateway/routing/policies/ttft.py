@@ -269,7 +269,8 @@ class PredictedTTFT(Policy):
         key = request.keys[depth - 1]
         now = ctx.now
         pop = ctx.popularity
-        if pop.weight(key, now) < self.min_requests:  # a burst, not sustained demand
+        # this request and the recent ones (decayed: half a request of slack)
+        if pop.weight(key, now) + 1.5 < self.min_requests:  # a burst, not sustained demand
             return None
         cost = ctx.cost
         tokens = request.matched_tokens(depth)
