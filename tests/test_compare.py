@@ -447,7 +447,7 @@ def test_hot_sudden_preset_at_smoke_size(tmp_path: Path) -> None:
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
     cfg = cli.compare_config(p.parse_args(["compare", "--preset", "hot-sudden"]))
-    assert cfg.workload == "shared_prefix" and cfg.params["hot_after"] == 150
+    assert cfg.workload == "shared_prefix" and cfg.params["hot_after"] == 40
     params = {**cfg.params, "groups": 4, "prompts_per_group": 40, "prefix_tokens": 300,
               "hot_prefix_tokens": 1200, "question_tokens": 30, "output_tokens": 8,
               "hot_after": 20}  # fmt: skip
