@@ -460,4 +460,6 @@ def test_hot_sudden_preset_at_smoke_size(tmp_path: Path) -> None:
     rows = {r["system"]: r for r in report["results"]}
     for r in rows.values():
         assert "error" not in r and r["failed"] == 0 and r["requests"] > 20, r
-        assert r["hit_rate"] >= 0.8 * r["bound_hit_rate"], r
+        assert 0 < r["hit_rate"] <= r["bound_hit_rate"] + 0.02, r
+    kv = rows["kvroute"]
+    assert kv["hit_rate"] >= 0.8 * kv["bound_hit_rate"], kv
