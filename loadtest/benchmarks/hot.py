@@ -63,8 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-blocks", type=int, default=4096, help="16-token blocks per worker")
     p.add_argument("--timing", default="seed-70b")
     p.add_argument("--seeds", type=int, default=1, help="streams per load (p99 is noisy)")
-    p.add_argument("--capacity", type=float, help="req/s at load 1.0 per worker count "
-                   "(default: estimated, pooled-cache cluster)")  # fmt: skip
+    p.add_argument("--capacity", type=float, help="req/s per worker at load 1.0 "
+                   "(default: estimated, the pooled-cache cluster's)")  # fmt: skip
     p.add_argument("--policy-param", action="append", default=[], metavar="NAME=VALUE",
                    help="extra ttft parameters for kvroute and kvroute-spill")  # fmt: skip
 
