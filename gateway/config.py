@@ -132,6 +132,18 @@ class ProxySettings:
 
 
 @dataclass
+class WarmupSettings:
+    """Warm-ups (gateway/warmup.py): one-token requests carrying a hot prefix to a new holder."""
+
+    #: send the warm-ups the routing policy asks for (off: they are dropped and counted)
+    enabled: bool = True
+    #: warm-ups in flight at once per gateway process (more are dropped, counted, not queued)
+    max_inflight: int = 4
+    #: seconds a warm-up may take (a cold prefill of a long prefix on a busy worker)
+    timeout: float = 120.0
+
+
+@dataclass
 class LimitSettings:
     #: requests in flight upstream at once (0: unlimited)
     max_concurrency: int = 0
@@ -216,6 +228,7 @@ class GatewayConfig:
     index: IndexSettings = field(default_factory=IndexSettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
+    warmup: WarmupSettings = field(default_factory=WarmupSettings)
     circuit: CircuitSettings = field(default_factory=CircuitSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
     security: SecuritySettings = field(default_factory=SecuritySettings)

@@ -150,10 +150,12 @@ async def serve(
     """Run one gateway process until SIGTERM/SIGINT (or ``stop`` is set)."""
     from aiohttp import web
 
+    from gateway import warmup
     from gateway.server import Gateway, build_app, build_metrics_app
 
     gw = Gateway(cfg, bus=make_bus(cfg))
     app = build_app(gw)
+    warmup.attach(app, gw)  # hot prefixes' warm-ups (gateway/warmup.py)
     runner = web.AppRunner(
         app,
         handler_cancellation=True,

@@ -129,6 +129,24 @@ class GatewayMetrics:
             [*pw, "cause"],
             registry=r,
         )
+        # warm-ups (gateway/warmup.py): one-token requests that put a hot prefix on a new
+        # holder off the request path; cost the routing pays, not traffic
+        self.warmups_sent = Counter(
+            "kvroute_warmups_sent", "Warm-up requests sent to a worker", pw, registry=r
+        )
+        self.warmups_failed = Counter(
+            "kvroute_warmups_failed",
+            "Warm-ups that failed or were not sent, by reason (not retried before the policy's "
+            "warm-up timeout)",
+            [*pw, "reason"],
+            registry=r,
+        )
+        self.warmup_tokens = Counter(
+            "kvroute_warmup_tokens",
+            "Prompt tokens sent in warm-ups (the prefill they cost the worker)",
+            pw,
+            registry=r,
+        )
         self.stream_errors = Counter(
             "kvroute_stream_errors", "Streams that broke after the first byte", pw, registry=r
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.config import PoolSettings
@@ -23,6 +24,7 @@ from gateway.routing.keys import BlockKeyer, LazyKeys, PrefixKeys
 from gateway.routing.policy import make_policy
 from gateway.routing.router import Router
 from gateway.tokenization import ChatIds, TokenizationError, Tokenizer, normalize_messages
+from gateway.warmup import Warmer
 
 __all__ = ["Pool", "Prepared"]
 
@@ -40,6 +42,8 @@ class Prepared:
     body: bytes | None = None
     #: the LoRA adapter asked for (``keys`` are on its chain), None for the base model
     adapter: str | None = None
+    #: the prompt's token ids (a warm-up sends a prefix of them: ``settle``)
+    ids: Sequence[int] = ()
 
 
 class Pool:
@@ -79,6 +83,9 @@ class Pool:
         self.decode_router = Router(
             decode, settings.block_size, index=index, cost=CostModel(settings.cost), rng=rng
         )
+        #: sends the warm-ups the policy asks for (set at start-up: gateway/main.py); None:
+        #: they are dropped (the policy does not ask again before its warm-up timeout)
+        self.warmer: Warmer | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -99,6 +106,10 @@ class Pool:
         decision left pending (``Router.route`` with lazy keys). Anything that reads the
         index first applies it anyway; this does it once the request is forwarded."""
         self.router.index.settle()  # one index for both routers
+        warm = self.router.ctx.warmups.take(prep.keys)
+        if warm and self.warmer is not None:
+            for intent in warm:
+                self.warmer.submit(self, intent, prep.ids[: intent.tokens])
         prep.keys.all()
 
     async def prepare(self, req: ClientRequest, adapter: str | None = None) -> Prepared:
@@ -150,4 +161,4 @@ class Pool:
             raise err
         root = self.keyer.adapter_root(adapter)
         keys = self.prefix_keys.lazy(ids, chat.reused, chat.remembered, root)
-        return Prepared(len(ids), keys, t1 - t0, time.perf_counter() - t1, body, adapter)
+        return Prepared(len(ids), keys, t1 - t0, time.perf_counter() - t1, body, adapter, ids)

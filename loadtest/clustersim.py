@@ -58,7 +58,8 @@ from gateway.contract.wire import EngineReport
 from gateway.routing.costmodel import CostModel, CostParams
 from gateway.routing.index import ShadowIndex
 from gateway.routing.keys import BlockKeyer
-from gateway.routing.policy import make_policy
+from gateway.routing.policy import Decision, make_policy
+from gateway.routing.replication import WarmupIntent
 from gateway.routing.router import Router, Ticket
 from loadtest.driver import RequestRecord, balance
 from loadtest.enginesim.config import CacheConfig, SchedulerConfig
@@ -573,6 +574,8 @@ class ClusterSim:
             "interrupts": 0,
             "stalls": 0,
             "reports_skipped": 0,
+            "warmups": 0,
+            "warmup_tokens": 0,
         }
         self._ran = False
 
@@ -651,6 +654,8 @@ class ClusterSim:
         keys = self.keyfn.keys(tokens)
         exclude = () if a.workers is None else self._by_name.keys() - a.workers
         decision = router.route(keys, n, t, session_key=a.session, exclude=exclude)
+        for intent in router.ctx.warmups.drain():
+            self._warm(intent, tokens, t)
         ticket = router.started(decision, n, t)
         w = self._by_name[decision.worker]
         w.touched_at = t
@@ -665,6 +670,22 @@ class ClusterSim:
             self._failed[reason] = self._failed.get(reason, 0) + 1
             return
         self._inflight += 1
+        if w.mode == _IDLE:
+            self._plan(w, max(t, w.core.free_at))
+
+    def _warm(self, intent: WarmupIntent, tokens: bytes, t: float) -> None:
+        """A warm-up the policy asked for, as the gateway sends it (``gateway/warmup.py``):
+        the prefix alone with one output token, counted as load, not as a request."""
+        w = self._by_name[intent.worker]
+        decision = Decision(w.name, "warmup", "warmup", 0, None)
+        flight = _Flight(-1, t, self.router.started(decision, intent.tokens, t), w.i)
+        w.touched_at = t
+        if w.mode == _SPAN:
+            self._interrupt(w, t)
+        w.core.add_request(tokens[: intent.tokens * TOKEN_BYTES], 1, t, tag=flight)
+        self._inflight += 1
+        self._stats["warmups"] += 1
+        self._stats["warmup_tokens"] += intent.tokens
         if w.mode == _IDLE:
             self._plan(w, max(t, w.core.free_at))
 
@@ -772,6 +793,8 @@ class ClusterSim:
             for req in res.finished:
                 f = req.tag
                 router.finished(f.ticket, now)
+                if f.index < 0:  # a warm-up: cost, not a request
+                    continue
                 tab.index.append(f.index)
                 tab.worker.append(f.worker)
                 tab.arrival.append(f.at)

@@ -523,6 +523,13 @@ class AgentWorkload(Workload):
 
 @dataclass
 class SharedPrefixWorkload(Workload):
+    """Groups of prompts under one shared prefix each, questions in random order.
+
+    ``hot_after`` >= 0 makes a prefix hot suddenly (a launch, a viral prompt): from the
+    request with that index on (arrival order), each request carries one common
+    ``hot_prefix_tokens``-token prefix instead of its group's with probability ``hot_share``.
+    """
+
     groups: int = 16
     prompts_per_group: int = 32
     prefix_tokens: int = 2048
@@ -530,6 +537,9 @@ class SharedPrefixWorkload(Workload):
     output_tokens: int = 64
     rate: float = 8.0  # requests per second
     seed: int = 0
+    hot_after: int = -1
+    hot_share: float = 0.8
+    hot_prefix_tokens: int = 6000
     name: str = "shared_prefix"
 
     def items(self) -> Iterator[WorkItem]:
@@ -543,13 +553,14 @@ class SharedPrefixWorkload(Workload):
         pairs = [(g, q) for g in range(self.groups) for q in range(self.prompts_per_group)]
         rng.shuffle(pairs)
         starts = _poisson_starts(rng, len(pairs), self.rate)
+        hot_seg, hot_items = self._hot(len(pairs))
         items = [
             WorkItem(
                 0,
                 t,
                 f"group-{g}",
                 [
-                    prefixes[g],
+                    hot_seg if i in hot_items else prefixes[g],
                     Segment(
                         f"g{g}q{q}",
                         "user",
@@ -558,9 +569,24 @@ class SharedPrefixWorkload(Workload):
                 ],
                 self.output_tokens,
             )
-            for (g, q), t in zip(pairs, starts, strict=True)
+            for i, ((g, q), t) in enumerate(zip(pairs, starts, strict=True))
         ]
         return _numbered(items)
+
+    def _hot(self, n: int) -> tuple[Segment, set[int]]:
+        """The hot prefix and the indices of the requests that carry it (own random
+        stream: without ``hot_after`` the workload is exactly what it was)."""
+        seg = Segment(
+            "hot",
+            "system",
+            _text(random.Random(f"{self.seed}-hot"), self.hot_prefix_tokens)
+            if self.hot_after >= 0
+            else "",
+        )
+        if self.hot_after < 0:
+            return seg, set()
+        rng = random.Random(f"{self.seed}-hot-items")
+        return seg, {i for i in range(self.hot_after, n) if rng.random() < self.hot_share}
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "kind": "shared_prefix", **_fields(self)}

@@ -35,7 +35,7 @@ def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
 
 def test_every_benchmark_module_is_covered() -> None:
     assert set(benchmarks._modules()) == {
-        "events", "faults", "gateway", "index", "sim", "simulate", "soak", "tokenize",
+        "events", "faults", "gateway", "hot", "index", "sim", "simulate", "soak", "tokenize",
     }  # fmt: skip
 
 
@@ -102,6 +102,25 @@ def test_simulate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert r["ttft"]["requests_per_s"] > 0 and r["round_robin"]["requests_per_s"] > 0
     assert r["cost_vs_baseline"] > 0 and r["ok_basis"].startswith("projection")
     assert r["ok"] == (r["projected_full_s"] <= r["q6_budget_s"])
+
+
+@pytest.mark.parametrize("stream", ["steady", "sudden"])
+def test_hot(capsys: pytest.CaptureFixture[str], stream: str) -> None:
+    r = bench(capsys, "hot", "--workers", "2", "--loads", "0.5", "--duration", "4",
+              "--capacity", "10", "--prefix-tokens", "3000", "--question-tokens", "40",
+              "--background-prefix", "200", "--groups", "4", "--stream", stream,
+              "--systems", "kvroute,kvroute-spill,round_robin")  # fmt: skip
+    rows = {row["system"]: row for row in r["rows"]}
+    assert set(rows) == {"kvroute", "kvroute-spill", "round_robin"} and r["stream"] == stream
+    assert r["capacity_rps"] == {"2": 20.0}
+    for row in rows.values():
+        assert row["requests"] > 20 and 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert 0 < row["hit_rate"] < 1 and row["max_mean_requests"] >= 1
+    assert rows["round_robin"]["p50_vs_rr"] == 1.0 and rows["round_robin"]["warmups"] == 0
+    assert rows["kvroute-spill"]["warmups"] == 0 and rows["kvroute"]["warmups"] >= 1
+    assert r["ok"] == all(
+        row["p50_vs_rr"] <= 1 and row["p99_vs_rr"] <= 1 for row in [rows["kvroute"]]
+    )
 
 
 def test_tokenize(capsys: pytest.CaptureFixture[str]) -> None:

@@ -436,3 +436,30 @@ def test_compare_with_lora_adapters(tmp_path: Path) -> None:
     for r in rows.values():
         assert "error" not in r and r["failed"] == 0 and r["requests"] > 10, r
     assert rows["kvroute"]["hit_rate"] > rows["vllm-router-round_robin"]["hit_rate"]
+
+
+def test_hot_sudden_preset_at_smoke_size(tmp_path: Path) -> None:
+    """Q3's sudden hot prefix: steady shared-prefix traffic, then most requests carry a new
+    long prefix. The preset as shipped, shrunk to seconds: the hot prefix appears mid-run,
+    kvroute serves every request, warms the new prefix's holders, and hits like the bound."""
+    from loadtest import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    cfg = cli.compare_config(p.parse_args(["compare", "--preset", "hot-sudden"]))
+    assert cfg.workload == "shared_prefix" and cfg.params["hot_after"] == 40
+    params = {**cfg.params, "groups": 4, "prompts_per_group": 40, "prefix_tokens": 300,
+              "hot_prefix_tokens": 1200, "question_tokens": 30, "output_tokens": 8,
+              "hot_after": 20}  # fmt: skip
+    items = list(make_workload("shared_prefix", **params).items())
+    hot = [it.index for it in items if it.segments[0].key == "hot"]
+    assert hot and min(hot) >= 20 and len(hot) > 0.6 * (len(items) - 20)
+    small_cfg = small(tmp_path, ["kvroute", "kvroute-round_robin"], params=params,
+                      speedup=20.0, duration=5.0)  # fmt: skip
+    report = run_compare(small_cfg)
+    rows = {r["system"]: r for r in report["results"]}
+    for r in rows.values():
+        assert "error" not in r and r["failed"] == 0 and r["requests"] > 20, r
+        assert 0 < r["hit_rate"] <= r["bound_hit_rate"] + 0.02, r
+    kv = rows["kvroute"]
+    assert kv["hit_rate"] >= 0.8 * kv["bound_hit_rate"], kv

@@ -473,6 +473,7 @@ def test_schema_follows_the_code() -> None:
         "server": gc.ServerSettings,
         "proxy": gc.ProxySettings,
         "limits": gc.LimitSettings,
+        "warmup": gc.WarmupSettings,
         "circuit": gc.CircuitSettings,
         "log": gc.LogSettings,
         "index": gc.IndexSettings,

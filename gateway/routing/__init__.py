@@ -11,7 +11,8 @@ redis or zmq (checked by import-linter in CI).
 | ``index`` | the shadow prefix index: a compressed radix tree over keys, one holder bitmask per run |
 | ``load`` | per-worker load: engine reports merged with in-flight accounting; pool kept ordered by load |
 | ``costmodel`` | predicted TTFT from queued prefill, uncached prefill and decode interference |
-| ``popularity`` | decayed request rates of prefixes (when a hot prefix deserves another holder) |
+| ``popularity`` | decayed request rates of prefixes (requests/s, from a prefix's first moments) |
+| ``replication`` | holders a hot prefix warrants (its demand against one worker's capacity); warm-ups asked for |
 | ``policy`` | the policy interface (``PoolView`` in, ``Decision`` with its explanation out) and registry |
 | ``policies/`` | one module per policy: ``ttft`` (default), ``round_robin``, ``random``, ``least_load``, ``session``, ``prefix`` |
 | ``adapters`` | LoRA adapters per worker: which serve an adapter, which have it loaded (LRU of the engine's slots) |

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, TypeVar
 from gateway.routing.costmodel import CostModel
 from gateway.routing.load import LoadTracker, LoadView
 from gateway.routing.popularity import PrefixPopularity
+from gateway.routing.replication import WarmupBook
 
 __all__ = [
     "CandidateScore",
@@ -152,11 +153,13 @@ class PoolView:
 
 @dataclass
 class PolicyContext:
-    """Shared, per-pool inputs: the cost model, a seeded random source, prefix popularity."""
+    """Shared, per-pool inputs: the cost model, a seeded random source, prefix popularity,
+    and the warm-ups the policy asked for (the owner sends them: ``WarmupBook.take``)."""
 
     cost: CostModel = field(default_factory=CostModel)
     rng: random.Random = field(default_factory=random.Random)
     popularity: PrefixPopularity = field(default_factory=PrefixPopularity)
+    warmups: WarmupBook = field(default_factory=WarmupBook)
     now: float = 0.0
 
 

@@ -8,8 +8,10 @@ per-request cost cannot see. The router records, for every decision, the canonic
 the end of the request's longest cached prefix; the policy reads that prefix's share of
 recent traffic to decide how many holders it warrants.
 
-Rates decay exponentially (``half_life`` seconds), so shares follow the traffic. Pure: time
-is an argument. Memory is bounded by the prefixes seen in the last few half-lives; pruning is
+Rates decay exponentially (``half_life`` seconds), so shares follow the traffic. ``rate``
+turns a prefix's decayed count into requests per second, unbiased for a prefix seen only for
+a moment (a sudden hot prompt is sized from its first second, not from its decayed count,
+which would take several half-lives to build up). Pure: time is an argument. Memory is bounded by the prefixes seen in the last few half-lives; pruning is
 amortised (when the table has doubled since the last prune).
 """
 
@@ -21,13 +23,17 @@ __all__ = ["PrefixPopularity"]
 
 
 class PrefixPopularity:
-    def __init__(self, half_life: float = 20.0, floor: float = 0.01) -> None:
-        if half_life <= 0:
-            raise ValueError("half_life must be > 0")
+    def __init__(
+        self, half_life: float = 20.0, floor: float = 0.01, min_window: float = 0.1
+    ) -> None:
+        if half_life <= 0 or min_window <= 0:
+            raise ValueError("half_life and min_window must be > 0")
         self.half_life = half_life
         self.floor = floor  # decayed weight below which a prefix is forgotten
+        self.min_window = min_window  # shortest span a rate is measured over (seconds)
         self._rate = math.log(2) / half_life
         self._w: dict[int, tuple[float, float]] = {}  # key -> (weight, at)
+        self._first: dict[int, float] = {}  # key -> when it was first seen (since forgotten)
         self._total = (0.0, 0.0)
         self._prune_at = 1024
 
@@ -37,7 +43,11 @@ class PrefixPopularity:
 
     def observe(self, key: int, now: float) -> None:
         """One request shared the prefix that ends with ``key``."""
-        self._w[key] = (self._decayed(self._w.get(key, (0.0, now)), now) + 1.0, now)
+        entry = self._w.get(key)
+        if entry is None:
+            self._first[key] = now
+            entry = (0.0, now)
+        self._w[key] = (self._decayed(entry, now) + 1.0, now)
         self._total = (self._decayed(self._total, now) + 1.0, now)
         if len(self._w) >= self._prune_at:
             self._prune(now)
@@ -50,6 +60,21 @@ class PrefixPopularity:
         """Recent requests (exponentially decayed) that shared the prefix ending with ``key``."""
         entry = self._w.get(key)
         return 0.0 if entry is None else self._decayed(entry, now)
+
+    def rate(self, key: int, now: float) -> float:
+        """Recent arrivals per second of requests sharing the prefix ending with ``key``.
+
+        The decayed count divided by the decayed length of the span it was collected over
+        (since the prefix was first seen, at least ``min_window``): for a steady stream of
+        ``r`` requests/s this is ``r`` from the first ``min_window`` on, where the count alone
+        reaches ``r × half_life / ln 2`` only after several half-lives.
+        """
+        entry = self._w.get(key)
+        if entry is None:
+            return 0.0
+        age = max(now - self._first.get(key, now), self.min_window)
+        span = -math.expm1(-self._rate * age) / self._rate
+        return self._decayed(entry, now) / span
 
     def share(self, key: int, now: float) -> float:
         """Fraction of recent requests that shared the prefix ending with ``key``."""
@@ -64,4 +89,5 @@ class PrefixPopularity:
 
     def _prune(self, now: float) -> None:
         self._w = {k: e for k, e in self._w.items() if self._decayed(e, now) >= self.floor}
+        self._first = {k: t for k, t in self._first.items() if k in self._w}
         self._prune_at = max(1024, 2 * len(self._w))

@@ -139,7 +139,14 @@ class Router:
         request = RouteRequest(
             keys, prompt_tokens, self.block_size, session_key, self.engine_block_size, adapter
         )
+        warm = self.ctx.warmups
+        asked = warm.asked
         decision = self.policy.choose(request, pool, self.ctx, explain)
+        if warm.asked != asked and self.speculate:
+            # a worker being warmed holds the prefix once its warm-up's step ends: requests
+            # queued behind the warm-up find it cached (see gateway/routing/replication.py)
+            for it in warm.latest(warm.asked - asked):
+                index.speculate(it.worker, keys[: it.blocks], now)
         if not dry_run:
             if adapter is not None:
                 self.adapters.routed(decision.worker, adapter)

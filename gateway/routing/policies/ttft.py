@@ -22,16 +22,19 @@ mixed sizes (multi-turn chat) the same differences are real queued work: ``step_
 raised p99 TTFT 12-22% at 95% load on the chat-eviction preset (live A/B), so it is a
 setting for uniform traffic, not the default.
 
-Hot prefixes are replicated: a prefix that carries a share ``s`` of the traffic warrants
-about ``replication × s × workers`` holders (``gateway/popularity.py``). While it has fewer
-and its best holder is busy, the request goes to the best non-holder instead (reason
-``replicate``). Only sustained demand counts (``min_requests`` recent requests, decayed): a
-burst of siblings sharing a new prefix stays together, as speculation intends. Replicating is
-one cold prefill that every later request sharing the prefix profits from, which a
-per-request cost alone never pays (at a steady high rate, waiting for 8 requests instead of
-4 built a backlog behind the first holder that two workers at 95% load drain slowly). A
-conversation's own prefix (a tiny share) never replicates; one system prompt on every
-request ends up on every worker.
+Hot prefixes are replicated in proportion to demand (``gateway/routing/replication.py``): a
+prefix arriving at ``r`` requests/s whose cold prefill takes ``p`` ms warrants
+``ceil(replication × r × p / 1000)`` holders (engine time demanded against one worker's
+second), following the decayed rate up and down. Only sustained demand counts
+(``min_requests`` recent requests, decayed): a burst of siblings sharing a new prefix stays
+together, as speculation intends. When the prefix has fewer holders (and warm-ups under way)
+than it warrants, the policy asks for a warm-up of the least loaded non-holder (an idle one
+at random if any) and routes the request as usual: the gateway sends that worker the prefix
+alone with one output token, off the request path, and traffic moves there once the index
+shows the prefix (reason ``cache`` or ``balance`` then). With ``warmup: false`` the request
+itself goes to the non-holder instead, cold (reason ``replicate``), when the best holder is
+busy. A conversation's own prefix (a low rate) never replicates; one system prompt on every
+request at a high rate ends up on every worker.
 
 LoRA adapters: a request for an adapter is keyed on the adapter's chain (its matches are
 blocks computed with that adapter only), and a worker without the adapter loaded adds
@@ -49,7 +52,6 @@ whatever the pool size.
 
 from __future__ import annotations
 
-import math
 from itertools import repeat
 
 from gateway.routing.policy import (
@@ -61,6 +63,7 @@ from gateway.routing.policy import (
     RouteRequest,
     register,
 )
+from gateway.routing.replication import WarmupIntent, holders_needed
 
 
 @register
@@ -74,9 +77,10 @@ class PredictedTTFT(Policy):
         tie_ms: float = 1.0,
         tie_ratio: float = 0.02,
         replication: float = 1.0,
-        min_requests: float = 4.0,
+        min_requests: float = 2.0,
         max_scored: int = 16,
         step_ties: float = 0.0,
+        warmup: bool = True,
     ) -> None:
         if min(compute_weight, tie_ms, tie_ratio, replication, step_ties) < 0:
             raise ValueError(
@@ -89,6 +93,7 @@ class PredictedTTFT(Policy):
         self.min_requests = min_requests
         self.max_scored = max_scored  # busy workers scored per match length (0: all)
         self.step_ties = step_ties  # same-match near-ties: this many decode steps (see choose)
+        self.warmup = warmup  # new holders are warmed off the request path (else: spill cold)
 
     def choose(
         self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, explain: bool = False
@@ -249,27 +254,53 @@ class PredictedTTFT(Policy):
     def _replica(
         self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, pick: str
     ) -> str | None:
-        """A non-holder to receive a hot prefix, if it warrants more holders than it has."""
-        if not pool.levels or pool.view(pick).idle:
+        """Grow a hot prefix's holder set if its demand warrants more holders than it has.
+
+        With ``warmup`` the new holder is asked for in ``ctx.warmups`` and None is returned
+        (the request goes to ``pick``); without, the non-holder is returned to receive this
+        request cold, and only while ``pick`` is busy."""
+        if not pool.levels:
             return None
         depth, holders = pool.levels[0]
         if pick not in holders or depth > len(request.keys):
             return None
+        if not self.warmup and pool.view(pick).idle:
+            return None
         key = request.keys[depth - 1]
+        now = ctx.now
         pop = ctx.popularity
-        if pop.weight(key, ctx.now) < self.min_requests:  # a burst, not sustained demand
+        # this request and the recent ones (decayed: half a request of slack)
+        if pop.weight(key, now) + 1.5 < self.min_requests:  # a burst, not sustained demand
             return None
-        n = len(pool.workers)
-        if len(holders) >= min(n, math.ceil(pop.share(key, ctx.now) * n * self.replication - 1e-9)):
+        cost = ctx.cost
+        tokens = request.matched_tokens(depth)
+        need = holders_needed(
+            pop.rate(key, now),
+            cost.chunked_prefill_ms(tokens) * cost.scale,
+            len(pool.workers),
+            self.replication,
+        )
+        book = ctx.warmups
+        warming = book.pending(key, holders, now) if self.warmup else []
+        if len(holders) + len(warming) >= need:
             return None
-        held = set(holders)
-        idle = [w for w in pool.idle() if w not in held]
+        target = self._newcomer(pool, ctx, pick, {*holders, *warming})
+        if target is None or not self.warmup:
+            return target
+        book.want(WarmupIntent(target, key, depth, tokens, now))
+        return None
+
+    @staticmethod
+    def _newcomer(pool: PoolView, ctx: PolicyContext, pick: str, taken: set[str]) -> str | None:
+        """The worker to become a new holder: an idle non-holder at random, else the least
+        loaded busy non-holder if it is lighter than ``pick``."""
+        idle = [w for w in pool.idle() if w not in taken]
         if idle:
             return ctx.rng.choice(idle)
         busy = pool.view(pick)
         mine = (busy.running, busy.queued_prefill_tokens)
-        for _, w in pool.busy_by_key():  # the least loaded non-holder, if lighter than the pick
-            if w not in held:
+        for _, w in pool.busy_by_key():
+            if w not in taken:
                 v = pool.view(w)
                 return w if (v.running, v.queued_prefill_tokens) < mine else None
         return None
