@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from gateway.apis import APIS
 from gateway.config import ProxySettings
@@ -57,6 +58,8 @@ HOP_BY_HOP = frozenset(
         "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "Content-Encoding",
     )
 )  # fmt: skip
+#: upstream URLs kept parsed (worker x API path), at most
+_MAX_URLS = 4096
 #: client headers forwarded upstream (everything else is dropped: no spoofing, no credentials)
 FORWARD_REQUEST = frozenset(("accept", "user-agent", "x-request-id", "traceparent", "tracestate"))
 
@@ -175,6 +178,7 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
         #: set by the gateway when ``request_log.path`` is configured
         self.request_log: RequestLog | None = None
+        self._urls: dict[tuple[str, str], URL] = {}
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -184,6 +188,9 @@ class Proxy:
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout),
             auto_decompress=False,
+            # a worker's Set-Cookie must never ride on other clients' requests (and a jar
+            # filters cookies for every request: CPU for nothing)
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
 
     async def close(self) -> None:
@@ -195,6 +202,15 @@ class Proxy:
     def session(self) -> aiohttp.ClientSession:
         assert self._session is not None, "Proxy.start() was not called"
         return self._session
+
+    def _url(self, base: str, path: str) -> URL:
+        """``base + path`` parsed once: aiohttp would parse the string on every request."""
+        url = self._urls.get((base, path))
+        if url is None:
+            if len(self._urls) >= _MAX_URLS:  # workers come and go: stay bounded
+                self._urls.clear()
+            url = self._urls[base, path] = URL(base + path)
+        return url
 
     # -- one client request -----------------------------------------------------------------
 
@@ -322,7 +338,9 @@ class Proxy:
         try:
             try:
                 async with asyncio.timeout_at(deadline):
-                    resp = await self.session.post(entry.url + path, data=body, headers=headers)
+                    resp = await self.session.post(
+                        self._url(entry.url, path), data=body, headers=headers
+                    )
             except TimeoutError:
                 raise self._first_byte_timeout(wid) from None
             except aiohttp.ClientConnectorError as exc:
