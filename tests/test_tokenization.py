@@ -981,21 +981,3 @@ def test_benchmark_smoke() -> None:
     assert 0 < result["tokenize_followup_ratio"] < 1
     assert result["table"][0]["measure"].startswith("cold")
 
-
-def test_small_and_large_batches_give_encode_batch_ids(
-    base: tokenizers.Tokenizer, tok: Tokenizer
-) -> None:
-    """A few short pieces are encoded one by one (cheaper than ``encode_batch``'s thread
-    pool), longer batches through ``encode_batch``: the ids are the same either way."""
-    from gateway.tokenization.tokenizer import SMALL_BATCH_CHARS
-
-    small = ["Hello there, gateway.", " 12345 ünïcode ✓\n\n", "<｜User｜>word"]
-    large = [*small, "The warmest worker wins. " * (SMALL_BATCH_CHARS // 20)]
-    assert sum(map(len, small)) < SMALL_BATCH_CHARS < sum(map(len, large))
-    for texts in (small, large):
-        for special in (False, True):
-            expected = [e.ids for e in base.encode_batch(texts, add_special_tokens=special)]
-            assert tok._encode_many(texts, special) == expected
-    for texts in (["fine", "lone \ud800"], [*large, "lone \ud800"]):  # either path: a clear error
-        with pytest.raises(TokenizationError, match="lone surrogate"):
-            tok._encode_many(texts, False)

@@ -49,10 +49,6 @@ from gateway.tokenization.types import (
 
 # Chats whose uncached text is at least this long are encoded on a worker thread.
 DEFAULT_THREAD_THRESHOLD_CHARS = 8_192
-# Below this many characters in all, pieces are encoded one by one: ``encode_batch`` hands
-# even a few short strings to its thread pool, which cost ~40% more CPU than plain encodes
-# (3 pieces, 60 words: 186 vs 133 us on the loaded 2-core machine).
-SMALL_BATCH_CHARS = 2_048
 
 
 def bundled_test_tokenizer() -> Path:
@@ -252,8 +248,6 @@ class Tokenizer:
         """One ``encode_batch`` call: it releases the GIL and spreads inputs over threads."""
         if not texts:
             return []
-        if sum(map(len, texts)) < SMALL_BATCH_CHARS:  # a follow-up turn's new text, say
-            return [self._encode_one(t, add_special_tokens) for t in texts]
         try:
             encodings = self._batch(texts, add_special_tokens=add_special_tokens)
         except TypeError:
