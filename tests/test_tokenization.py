@@ -980,4 +980,3 @@ def test_benchmark_smoke() -> None:
     assert result["ok"] and result["ids_identical"] and result["conversation_tokens"] >= 1500
     assert 0 < result["tokenize_followup_ratio"] < 1
     assert result["table"][0]["measure"].startswith("cold")
-
