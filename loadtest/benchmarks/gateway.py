@@ -49,8 +49,15 @@ installed is named under ``missing``, and only the checks that need it fail.
 process (``p6``; its own ``ok``: kvroute's >= smg's). The simulated workers and the client share
 the machine's cores, so wall-clock req/s says more about the machine than the proxy.
 
+``--gateway-processes N`` runs kvroute as N processes on one port (``server.workers``); P6 then
+names the requests each process sent upstream (``requests_per_process``), and the CPU is the
+whole process tree's.
+
 **P4**: ``tokenize_followup_ratio`` from ``kvroute bench tokenize`` (``--tokenize-repeats``, 0
-skips it).
+skips it); and, with ``--stall-seconds`` (0 skips them), the stall phases of
+``loadtest/benchmarks/_stall.py``: short chats' added TTFT while cold long prompts arrive,
+through a gateway that encodes them on a thread and one that does not, and what a new
+conversation under a known system prompt costs.
 """
 
 from __future__ import annotations
