@@ -95,6 +95,10 @@ class PoolSettings:
     normalize_prompts: bool = False
     #: token ids kept by the incremental tokenization cache (about 20 bytes each)
     tokenizer_cache_tokens: int = 4_000_000
+    #: a prompt whose uncached text has at least this many characters is encoded on a worker
+    #: thread (``encode_batch`` releases the GIL), so one cold prompt cannot stall the other
+    #: requests; 0 encodes everything on the event loop (``kvroute bench gateway --stall``)
+    tokenize_thread_chars: int = 8_192
     static_workers: list[StaticWorker] = field(default_factory=list)
     #: LoRA adapters every worker of the pool serves (engines started with the same
     #: ``--lora-modules``); a request names one as its ``model``. Workers also register the
@@ -259,6 +263,8 @@ class GatewayConfig:
                 names.add(name)
             if p.block_size < 1:
                 raise ConfigError(f"pools.{i}.block_size: must be >= 1")
+            if p.tokenize_thread_chars < 0:
+                raise ConfigError(f"pools.{i}.tokenize_thread_chars: must be >= 0")
             if p.max_model_len < 1:
                 raise ConfigError(f"pools.{i}.max_model_len: must be >= 1")
         self.redis.validate()

@@ -24,20 +24,38 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["GatewayMetrics", "WorkerSeries"]
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _FAST = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)
 
 
+@dataclass(frozen=True)
+class WorkerSeries:
+    """One (pool, worker)'s series that every request touches, looked up once: ``labels()``
+    takes a lock and builds a key on each call, a dozen times per request otherwise."""
+
+    inflight: Gauge
+    ttft: Histogram
+    prompt_tokens: Counter
+    matched_tokens: Counter
+    delivered_prompt: Counter
+    delivered_cached: Counter
+    completion_tokens: Counter
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        # label sets of these series are never removed (only gauges of departed workers
+        # are), so the children cached here are the ones the registry holds anyway
+        self._workers: dict[tuple[str, str], WorkerSeries] = {}
         r = self.registry
         pw = ["pool", "worker"]
         self.requests = Counter(
@@ -306,6 +324,22 @@ class GatewayMetrics:
             ["cause"],
             registry=r,
         )
+
+    def worker(self, pool: str, worker: str) -> WorkerSeries:
+        """The per-request series of ``worker`` in ``pool`` (cached children)."""
+        series = self._workers.get((pool, worker))
+        if series is None:
+            series = WorkerSeries(
+                self.inflight.labels(pool, worker),
+                self.ttft.labels(pool, worker),
+                self.prompt_tokens.labels(pool, worker),
+                self.matched_tokens.labels(pool, worker),
+                self.delivered_prompt.labels(pool, worker),
+                self.delivered_cached.labels(pool, worker),
+                self.completion_tokens.labels(pool, worker),
+            )
+            self._workers[pool, worker] = series
+        return series
 
     def names(self) -> set[str]:
         """Every exported metric name (as Prometheus sees it, with _total, _bucket...)."""

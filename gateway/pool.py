@@ -10,6 +10,7 @@ speculation and the prefix-key cache) once the request is on its way.
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class Pool:
             settings.chat_template or None,
             normalize=settings.normalize_prompts,
             cache_tokens=settings.tokenizer_cache_tokens,
+            thread_threshold_chars=settings.tokenize_thread_chars or sys.maxsize,
         )
         self.keyer = BlockKeyer(hash_seed, settings.block_size)
         # keys of the chat prefixes the tokenizer remembers, held for as many tokens

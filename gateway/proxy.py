@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from gateway.apis import APIS
 from gateway.config import ProxySettings
@@ -57,6 +58,8 @@ HOP_BY_HOP = frozenset(
         "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "Content-Encoding",
     )
 )  # fmt: skip
+#: upstream URLs kept parsed (worker x API path), at most
+_MAX_URLS = 4096
 #: client headers forwarded upstream (everything else is dropped: no spoofing, no credentials)
 FORWARD_REQUEST = frozenset(("accept", "user-agent", "x-request-id", "traceparent", "tracestate"))
 
@@ -175,6 +178,7 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
         #: set by the gateway when ``request_log.path`` is configured
         self.request_log: RequestLog | None = None
+        self._urls: dict[tuple[str, str], URL] = {}
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -184,6 +188,9 @@ class Proxy:
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout),
             auto_decompress=False,
+            # a worker's Set-Cookie must never ride on other clients' requests (and a jar
+            # filters cookies for every request: CPU for nothing)
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
 
     async def close(self) -> None:
@@ -195,6 +202,15 @@ class Proxy:
     def session(self) -> aiohttp.ClientSession:
         assert self._session is not None, "Proxy.start() was not called"
         return self._session
+
+    def _url(self, base: str, path: str) -> URL:
+        """``base + path`` parsed once: aiohttp would parse the string on every request."""
+        url = self._urls.get((base, path))
+        if url is None:
+            if len(self._urls) >= _MAX_URLS:  # workers come and go: stay bounded
+                self._urls.clear()
+            url = self._urls[base, path] = URL(base + path)
+        return url
 
     # -- one client request -----------------------------------------------------------------
 
@@ -308,9 +324,10 @@ class Proxy:
         entry = self.registry.workers[wid]
         router = pool.router if prefill is None else pool.decode_router
         m = self.metrics
+        ws = m.worker(pool.name, wid)
         self.registry.on_send(wid)
         ticket = router.started(decision, prep.prompt_tokens, self.clock())
-        m.inflight.labels(pool.name, wid).inc()
+        ws.inflight.inc()
         m.gateway_inflight.inc()
         # One deadline covers the response headers and the first body chunk: engines send
         # nothing at all until their first token, so a stuck worker stalls in post().
@@ -321,7 +338,9 @@ class Proxy:
         try:
             try:
                 async with asyncio.timeout_at(deadline):
-                    resp = await self.session.post(entry.url + path, data=body, headers=headers)
+                    resp = await self.session.post(
+                        self._url(entry.url, path), data=body, headers=headers
+                    )
             except TimeoutError:
                 raise self._first_byte_timeout(wid) from None
             except aiohttp.ClientConnectorError as exc:
@@ -342,10 +361,10 @@ class Proxy:
                 first = await self._first_chunk(resp, wid, deadline)
                 now = self.clock()
                 router.first_token(ticket, now)
-                m.ttft.labels(pool.name, wid).observe(now - ticket.sent_at)
+                ws.ttft.observe(now - ticket.sent_at)
                 m.requests.labels(pool.name, wid, decision.reason).inc()
-                m.prompt_tokens.labels(pool.name, wid).inc(prep.prompt_tokens)
-                m.matched_tokens.labels(pool.name, wid).inc(decision.matched_tokens)
+                ws.prompt_tokens.inc(prep.prompt_tokens)
+                ws.matched_tokens.inc(decision.matched_tokens)
                 if resp.status >= 400:
                     return await self._error_response(resp, first, pool, wid)
                 headers = self._client_headers(resp, decision, request, prefill)
@@ -364,7 +383,7 @@ class Proxy:
                 return web.Response(status=resp.status, headers=headers, body=data)
         finally:
             router.finished(ticket, self.clock())
-            m.inflight.labels(pool.name, wid).dec()
+            ws.inflight.dec()
             m.gateway_inflight.dec()
 
     def _first_byte_timeout(self, wid: str) -> _Retry:
@@ -617,25 +636,32 @@ class Proxy:
         await out.prepare(request)
         events = _SseFilter(strip_usage=inject_usage)
         await out.write(events.feed(first))
-        while True:
-            try:
-                async with asyncio.timeout(self.settings.idle_timeout):
-                    chunk = await resp.content.readany()
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                self.registry.on_failure(wid, self.clock(), fatal=False)
-                self.metrics.stream_errors.labels(pool.name, wid).inc()
-                await _end_with_error(out, f"worker {wid} failed mid-stream: {exc!r}", shape)
-                return out
-            if not chunk:
-                break
-            data = events.feed(chunk)
-            if events.final:  # nothing may follow: the last events leave with the end of the body
-                self._count_usage(pool, wid, events.usage, request)
-                self.registry.on_success(wid)
-                await out.write_eof(data + events.flush())
-                return out
-            if data:
-                await out.write(data)
+        content = resp.content
+        watch = _IdleWatch(self.settings.idle_timeout, content)
+        clock = watch.loop.time
+        try:
+            while True:
+                watch.since = clock()
+                try:
+                    chunk = await content.readany()
+                except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                    self.registry.on_failure(wid, self.clock(), fatal=False)
+                    self.metrics.stream_errors.labels(pool.name, wid).inc()
+                    await _end_with_error(out, f"worker {wid} failed mid-stream: {exc!r}", shape)
+                    return out
+                watch.since = None  # writing to the client is not the worker's idleness
+                if not chunk:
+                    break
+                data = events.feed(chunk)
+                if events.final:  # nothing may follow: the last events leave with the body's end
+                    self._count_usage(pool, wid, events.usage, request)
+                    self.registry.on_success(wid)
+                    await out.write_eof(data + events.flush())
+                    return out
+                if data:
+                    await out.write(data)
+        finally:
+            watch.cancel()
         tail = events.flush()
         if tail:
             await out.write(tail)
@@ -687,10 +713,10 @@ class Proxy:
             return
         if request is not None:
             request[USAGE] = u  # for the request log
-        m = self.metrics
-        m.delivered_prompt.labels(pool.name, wid).inc(u.prompt_tokens)
-        m.delivered_cached.labels(pool.name, wid).inc(u.cached_tokens)
-        m.completion_tokens.labels(pool.name, wid).inc(u.completion_tokens)
+        ws = self.metrics.worker(pool.name, wid)
+        ws.delivered_prompt.inc(u.prompt_tokens)
+        ws.delivered_cached.inc(u.cached_tokens)
+        ws.completion_tokens.inc(u.completion_tokens)
 
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_REQUEST}
@@ -699,6 +725,38 @@ class Proxy:
         if self.settings.upstream_api_key:
             headers["authorization"] = f"Bearer {self.settings.upstream_api_key}"
         return headers
+
+
+class _IdleWatch:
+    """Fails a read of a stream that waits more than ``idle`` seconds for its worker.
+
+    One timer per stream, moved lazily: a read only stamps ``since`` (None while the
+    gateway writes to the client), and the timer, when it fires early, re-arms itself at
+    ``since + idle``. A timeout context around every read (a timer created, rescheduled and
+    cancelled per SSE chunk) cost ~5% of a streamed request's CPU. Expiry fails the read
+    as aiohttp's own read timeout does: the body's reader gets the exception, and the
+    pending ``readany`` raises it."""
+
+    def __init__(self, idle: float, content: aiohttp.StreamReader) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.idle = idle
+        self.content = content
+        self.since: float | None = None
+        self._timer: asyncio.TimerHandle | None = self.loop.call_later(idle, self._due)
+
+    def _due(self) -> None:
+        now = self.loop.time()
+        due = now + self.idle if self.since is None else self.since + self.idle
+        if now < due:
+            self._timer = self.loop.call_at(due, self._due)
+            return
+        self._timer = None
+        self.content.set_exception(TimeoutError(f"no data for {self.idle:g}s"))
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 #: named SSE events after which a stream is whole (Responses' terminal events, Messages' end)
@@ -723,6 +781,15 @@ class _SseFilter:
         self.last_data: bytes | None = None
 
     def feed(self, chunk: bytes) -> bytes:
+        if (
+            not self.buf
+            and chunk.endswith(b"\n\n")
+            and b"usage" not in chunk
+            and b"[DONE]" not in chunk
+            and b"meta_info" not in chunk
+            and b"event:" not in chunk
+        ):
+            return chunk  # whole events, none of them one this filter acts on: as they are
         self.buf += chunk
         if b"\n\n" not in self.buf:
             return b""

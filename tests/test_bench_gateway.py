@@ -171,6 +171,7 @@ def test_smoke(capsys: pytest.CaptureFixture[str]) -> None:
             "gateway", "--json", "--duration", "3", "--rate", "20", "--warmup", "0.5",
             "--rounds", "1", "--conversations", "8", "--throughput-seconds", "1",
             "--concurrency", "4", "--tokenize-repeats", "0", "--systems", ",".join(systems),
+            "--stall-seconds", "0",
         ]
     )  # fmt: skip
     code = benchmarks.run(args)
@@ -226,3 +227,46 @@ def test_smoke(capsys: pytest.CaptureFixture[str]) -> None:
 
     rows = {row["system"]: row for row in r["table"]}
     assert set(rows) == set(systems)
+
+
+def test_smoke_stall_and_gateway_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    """kvroute alone with two processes on its port: P6 names the requests each served, and
+    the stall phases (offload on, off, quiet) measure short chats paired with direct twins
+    while cold long chats arrive."""
+    parser = argparse.ArgumentParser()
+    benchmarks.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "gateway", "--json", "--duration", "1", "--rate", "20", "--warmup", "0.3",
+            "--rounds", "1", "--conversations", "6", "--throughput-seconds", "1.5",
+            "--concurrency", "8", "--tokenize-repeats", "0", "--systems", gw.KVROUTE,
+            "--gateway-processes", "2", "--stall-seconds", "1.5", "--stall-rounds", "1",
+            "--stall-short-rate", "20", "--stall-long-rate", "3", "--stall-long-words", "3000",
+        ]
+    )  # fmt: skip
+    benchmarks.run(args)
+    r: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert r["config"]["gateway_processes"] == 2
+    assert "2 processes" in r["systems"][gw.KVROUTE]["note"]
+    run = r["p6"]["runs"][gw.KVROUTE]
+    assert run["errors"] == 0 and run["rps_per_cpu_s"] > 0
+    per = run["requests_per_process"]
+    assert len(per) == 2 and all(n > 0 for n in per.values()), per  # both took a share
+    assert sum(per.values()) >= run["rps"]  # ~1.5 s of requests, every one counted once
+
+    stall = r["stall"]
+    assert set(stall["phases"]) == {"quiet", "offload", "no_offload"}
+    for name, ph in stall["phases"].items():
+        assert ph["errors"] == 0, (name, ph["error_examples"])
+        assert ph["short_requests"] >= 10, (name, ph)
+        assert (
+            ph["direct_ttft_p50_ms"] > 0 and 0 < ph["short_ttft_p50_ms"] <= ph["short_ttft_p99_ms"]
+        )
+        assert isinstance(ph["added_p99_ms"], float)
+        assert (ph["long_requests"] > 0) == (name != "quiet"), (name, ph)
+    assert stall["added_p99_offload_vs_no_offload"] > 0
+    new = stall["new_conversation"]
+    # a new conversation under a known system prompt: a fraction of the cold chat's CPU
+    assert new["new_conversation_cpu_ms"] < 0.5 * new["cold_chat_cpu_ms"], new
+    rows = {row["system"] for row in r["table"]}
+    assert {f"kvroute stall: {p}" for p in stall["phases"]} <= rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import random
 import socket
@@ -520,3 +521,59 @@ def test_api_keys_and_multiprocess_gateway(tmp_path: Path) -> None:
             if x.startswith("kvroute_requests_total{")
         )
         assert aggregated == sent, (aggregated, sent)
+
+
+def _sse_lines(url: str, max_tokens: int) -> Iterator[tuple[float, bytes]]:
+    """(seconds since the send, line) of a streamed chat through ``url``, as they arrive."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text(7, 30)}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    t0 = time.monotonic()
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+        for line in resp:
+            if line.strip():
+                yield time.monotonic() - t0, line.strip()
+
+
+def test_stream_idle_timeout_ends_a_stalled_stream_and_spares_a_long_one(tmp_path: Path) -> None:
+    """``proxy.idle_timeout`` bounds each wait for the worker's next chunk, not the stream:
+    a stream that lasts several timeouts with its tokens closer together arrives whole, and
+    one whose worker stops mid-stream ends with an error event one timeout later."""
+    idle = 0.5
+    cfg = StackConfig(
+        workers=1, speedup=2, log_dir=tmp_path, gateway_settings={"proxy": {"idle_timeout": idle}}
+    )
+    with Stack(cfg) as stack:
+        url = stack.gateway_urls[0]
+        stack.fault(0, "slow", factor=5)  # ~35 ms a token
+        lines = list(_sse_lines(url, 128))
+        stack.fault(0, "slow", factor=1)
+        last, gaps = lines[-1][0], [b[0] - a[0] for a, b in itertools.pairwise(lines)]
+        assert lines[-1][1] == b"data: [DONE]" and b'"error"' not in b"".join(x for _, x in lines)
+        assert last > 3 * idle and max(gaps) < idle, (last, max(gaps))
+
+        stream = _sse_lines(url, 400)
+        first_at, first = next(stream)
+        assert first.startswith(b"data: {") and b'"error"' not in first
+        stack.fault(0, "pause")
+        try:
+            rest = list(stream)
+        finally:
+            stack.fault(0, "resume")
+        end_at = rest[-1][0]
+        error = json.loads(rest[-2][1][5:])["error"]
+        assert rest[-1][1] == b"data: [DONE]" and error["code"] == "stream_broken"
+        assert "failed mid-stream" in error["message"] and "TimeoutError" in error["message"]
+        assert idle <= end_at - first_at < idle + 3.0, (first_at, end_at)
+        _, metrics = get(url + "/metrics")
+        assert b"kvroute_stream_errors_total{" in metrics

@@ -314,3 +314,54 @@ def test_pool_engine_block_size_follows_the_registrations() -> None:
     assert router.engine_block_size == 32
     reg.sync({})
     assert router.engine_block_size == 1  # no worker left: any canonical boundary
+
+
+def test_sse_filter_passes_plain_events_through_as_the_event_by_event_path_does() -> None:
+    """Chunks of whole events that hold nothing the filter acts on leave as they came; any
+    chunking of a stream mixing them with usage, SGLang meta_info, named events and [DONE]
+    gives the output and the usage that cutting at every byte gives."""
+    plain = [b'data: {"choices":[{"delta":{"content":"%d"}}]}\n\n' % i for i in range(6)]
+    f = _SseFilter(strip_usage=True)
+    for chunk in (plain[0], plain[1] + plain[2], b"data: x\n\n\n\n"):
+        assert f.feed(chunk) is chunk  # the fast path: not even copied
+    assert not f.buf and not f.done
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":1}}\n\n'
+    meta = b'data: {"text":"a","meta_info":{"prompt_tokens":5,"cached_tokens":3}}\n\n'
+    named = b'event: message_start\ndata: {"type":"message_start"}\n\n'
+    stream = b"".join([plain[3], meta, plain[4], named, usage, plain[5], b"data: [DONE]\n\n"])
+    reference = _SseFilter(strip_usage=True)
+    expected = b"".join(reference.feed(stream[i : i + 1]) for i in range(len(stream)))
+    expected += reference.flush()
+    assert usage not in expected and meta in expected and named in expected
+    for size in (1, 7, 64, 100, len(stream)):
+        g = _SseFilter(strip_usage=True)
+        cuts = range(0, len(stream), size)
+        out = b"".join(g.feed(stream[i : i + size]) for i in cuts) + g.flush()
+        assert out == expected and g.done and g.usage == reference.usage
+    # a chunk ending inside an event takes the event-by-event path, then the fast one again
+    h = _SseFilter(strip_usage=False)
+    assert h.feed(plain[0][:10]) == b""
+    assert h.feed(plain[0][10:]) == plain[0]
+    assert h.feed(plain[1]) is plain[1]
+
+
+def test_pool_tokenize_thread_chars_sets_the_offload_and_zero_turns_it_off() -> None:
+    import sys
+
+    from gateway.config import ConfigError, GatewayConfig, PoolSettings
+    from gateway.pool import Pool
+    from gateway.routing.index import ShadowIndex
+    from gateway.tokenization import bundled_test_tokenizer
+    from gateway.tokenization.tokenizer import DEFAULT_THREAD_THRESHOLD_CHARS
+
+    path = str(bundled_test_tokenizer())
+    for chars, expected in ((None, DEFAULT_THREAD_THRESHOLD_CHARS), (0, sys.maxsize), (5, 5)):
+        settings = PoolSettings("m", path, chat_template="deepseek-v3")
+        if chars is not None:
+            settings.tokenize_thread_chars = chars
+        pool = Pool(settings, ShadowIndex(), "seed")
+        assert pool.tokenizer.thread_threshold_chars == expected
+        pool.tokenizer.close()
+    bad = GatewayConfig(pools=[PoolSettings("m", path, tokenize_thread_chars=-1)])
+    with pytest.raises(ConfigError, match="tokenize_thread_chars: must be >= 0"):
+        bad.validate()

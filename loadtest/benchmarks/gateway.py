@@ -49,8 +49,15 @@ installed is named under ``missing``, and only the checks that need it fail.
 process (``p6``; its own ``ok``: kvroute's >= smg's). The simulated workers and the client share
 the machine's cores, so wall-clock req/s says more about the machine than the proxy.
 
+``--gateway-processes N`` runs kvroute as N processes on one port (``server.workers``); P6 then
+names the requests each process sent upstream (``requests_per_process``), and the CPU is the
+whole process tree's.
+
 **P4**: ``tokenize_followup_ratio`` from ``kvroute bench tokenize`` (``--tokenize-repeats``, 0
-skips it).
+skips it); and, with ``--stall-seconds`` (0 skips them), the stall phases of
+``loadtest/benchmarks/_stall.py``: short chats' added TTFT while cold long prompts arrive,
+through a gateway that encodes them on a thread and one that does not, and what a new
+conversation under a known system prompt costs.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ from typing import Any, TypeVar
 import aiohttp
 import msgspec
 
+from loadtest.benchmarks import _stall
 from loadtest.peers import Peer, PeerNotInstalled, is_peer, launch, peer_spec, pool_from_stack
 from loadtest.stack import Stack, StackConfig
 from loadtest.workloads import WORDS
@@ -98,7 +106,7 @@ T = TypeVar("T")
 
 CONFIG_KEYS = (
     "rate", "duration", "warmup", "rounds", "conversations", "direct_every", "prompt_tokens",
-    "user_tokens", "max_tokens", "workers", "speedup", "kv_blocks", "seed",
+    "user_tokens", "max_tokens", "workers", "speedup", "kv_blocks", "seed", "gateway_processes",
 )  # fmt: skip
 
 _encode = msgspec.json.encode
@@ -133,6 +141,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--throughput-seconds", type=float, default=10.0, help="P6 run per system (0: skip)")
     a("--concurrency", type=int, default=32, help="P6 closed-loop clients")
     a("--tokenize-repeats", type=int, default=9, help="P4 ratio repeats (0: skip)")
+    a(
+        "--gateway-processes",
+        type=int,
+        default=1,
+        help="kvroute processes sharing the gateway's port (server.workers, SO_REUSEPORT); "
+        "P5 targets one process, P6 shows how N share the load",
+    )
+    _stall.add_arguments(p)
     a("--seed", type=int, default=1)
     a("--log-dir", default="")
 
@@ -624,6 +640,14 @@ async def _throughput(
     }
 
 
+def _per_process(stack: Stack, name: str, args: argparse.Namespace) -> dict[int, float] | None:
+    """Requests each kvroute process has sent upstream so far ({pid: n}), with several
+    processes on the port (None otherwise): what shows that they share the load."""
+    if name != KVROUTE or args.gateway_processes < 2:
+        return None
+    return {pid: n for pid, n in stack.process_counter("kvroute_requests_total").items()}
+
+
 # -- the run ------------------------------------------------------------------------------------
 
 
@@ -657,8 +681,10 @@ def _start_routers(
         if name == KVROUTE:
             pids = stack.gateway_pids(0)
             proc = stack.gateways[0]
-            pid = pids[0] if pids else proc.pid
-            routers[name] = Router(name, stack.gateway_urls[0], pid, note="policy ttft")
+            # several processes: the supervisor, whose process tree holds them all
+            pid = pids[0] if len(pids) == 1 else proc.pid
+            note = "policy ttft" + (f", {len(pids)} processes" if len(pids) > 1 else "")
+            routers[name] = Router(name, stack.gateway_urls[0], pid, note=note)
             continue
         try:
             peer = launch(name, pool, stack.log_dir)
@@ -712,6 +738,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv_blocks=args.kv_blocks,
         max_model_len=65536,
         log_dir=log_dir,
+        gateway_processes=args.gateway_processes,
     )
     t_start = time.monotonic()
     with Stack(cfg) as stack:
@@ -722,11 +749,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for name, router in routers.items():
                 if name in failed:
                     continue
+                before = _per_process(stack, name, args)
                 p6[name] = _run_async(_throughput(router.url, cfg.model, router.pid, args))
+                if before is not None:
+                    after = _per_process(stack, name, args) or {}
+                    p6[name]["requests_per_process"] = {
+                        str(pid): after.get(pid, 0) - before.get(pid, 0) for pid in after
+                    }
             p6["direct"] = _run_async(_throughput(stack.worker_urls[0], cfg.model, None, args))
         for router in routers.values():
             if router.peer is not None:
                 router.peer.stop()
+        stall: dict[str, Any] = {}
+        if args.stall_seconds > 0 and KVROUTE in routers:
+            stall = _stall.run_stall(stack, _run_async, args)
+            stall["new_conversation"] = _stall.new_conversation_cost(
+                stack.tokenizer_path(), cfg.chat_template, args.stall_long_words
+            )
         log_dir_used = str(stack.log_dir)
 
     rows = {name: _summarize(name, ph, args) for name, ph in phases.items()}
@@ -778,6 +817,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rps_per_cpu_s_vs_smg": round(a / b, 3) if a and b else None,
             "ok": bool(a and b and a >= b),
         }
+    if stall:
+        result["stall"] = stall
     if args.tokenize_repeats > 0:
         from loadtest.benchmarks import tokenize as tok_bench
 
@@ -793,24 +834,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         result["tokenize_followup_ratio"] = tok["tokenize_followup_ratio"]
     result["ok"] = bool(sane and all(targets.values()))
-    result["table"] = [
-        {
-            "system": name,
-            "pairs": r["pairs"],
-            "direct TTFT p50 ms": r["direct_ttft_p50_ms"],
-            "added p50 ms": r["added_p50_ms"],
-            "added p99 ms": r["added_p99_ms"],
-            "dist p50/p99 ms": f"{r['added_dist_p50_ms']}/{r['added_dist_p99_ms']}",
-            "req/CPU-s": r["requests_per_cpu_s"],
-            "P6 req/CPU-s": p6.get(name, {}).get("rps_per_cpu_s"),
-            "P5 ok": r["ok"],
-        }
-        for name, r in rows.items()
-    ] + [
-        {"system": name, "P5 ok": f"{why}: {msg[:60]}"}
-        for why, names in (("missing", missing), ("failed", failed))
-        for name, msg in names.items()
-        if name not in rows
-    ]
+    result["table"] = (
+        [
+            {
+                "system": name,
+                "pairs": r["pairs"],
+                "direct TTFT p50 ms": r["direct_ttft_p50_ms"],
+                "added p50 ms": r["added_p50_ms"],
+                "added p99 ms": r["added_p99_ms"],
+                "dist p50/p99 ms": f"{r['added_dist_p50_ms']}/{r['added_dist_p99_ms']}",
+                "req/CPU-s": r["requests_per_cpu_s"],
+                "P6 req/CPU-s": p6.get(name, {}).get("rps_per_cpu_s"),
+                "P5 ok": r["ok"],
+            }
+            for name, r in rows.items()
+        ]
+        + [
+            {"system": name, "P5 ok": f"{why}: {msg[:60]}"}
+            for why, names in (("missing", missing), ("failed", failed))
+            for name, msg in names.items()
+            if name not in rows
+        ]
+        + [
+            {
+                "system": f"kvroute stall: {phase}",
+                "P5 ok": f"short chats added p50/p99 {r['added_p50_ms']}/{r['added_p99_ms']} ms",
+            }
+            for phase, r in stall.get("phases", {}).items()
+        ]
+    )
     json.dumps(result)
     return result

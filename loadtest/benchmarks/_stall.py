@@ -1,0 +1,239 @@
+"""P4's last clause for ``kvroute bench gateway --stall-seconds``: a cold prompt never stalls
+the event loop, and a new conversation under a known system prompt pays only for its new text.
+
+**Stall.** Two kvroute gateway processes on the same worker: one as configured (a prompt
+whose uncached text reaches ``pools[].tokenize_thread_chars`` is encoded on a worker thread,
+``encode_batch`` releasing the GIL), one with ``tokenize_thread_chars: 0`` (every encode on
+the event loop). Through each, in alternating phases: short streamed chats (one token) at
+``--stall-short-rate``, open-loop Poisson, and cold chats of ``--stall-long-words`` novel
+words (nothing of them cached anywhere: about 8,000 tokens of tokenizer CPU each) at
+``--stall-long-rate``; a quiet phase (short chats alone) through the offloading gateway is
+the baseline. Every short chat has a twin sent at the same moment straight to the worker
+(the simulator tokenizes in Python on its own loop, so a long prompt delays the worker's
+answers too): the figure is the p99 of the paired differences, routed TTFT - direct TTFT
+(client side), beside each path's own p99.
+
+**New conversation under a known system prompt.** In process, on the pool's tokenizer: CPU of
+a cold chat (a ``--stall-long-words`` system prompt and a user message), of a second chat
+under the same system prompt with another user message, and of encoding that user message
+alone: the second costs about the new text, not the prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from loadtest.stack import Stack
+from loadtest.workloads import WORDS
+
+__all__ = ["add_arguments", "new_conversation_cost", "run_stall"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--stall-seconds", type=float, default=8.0, help="seconds per stall phase (0: skip)")
+    a("--stall-rounds", type=int, default=2, help="stall phases per gateway, alternating")
+    a("--stall-short-rate", type=float, default=40.0, help="short chats/s in stall phases")
+    a("--stall-long-rate", type=float, default=4.0, help="cold long chats/s in stall phases")
+    a("--stall-long-words", type=int, default=6000, help="words of each cold long chat")
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return round(s[min(len(s) - 1, int(q * len(s)))], 2)
+
+
+def _novel(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def _chat(model: str, messages: list[dict[str, str]]) -> bytes:
+    body = {"model": model, "messages": messages, "max_tokens": 1, "stream": True}
+    return json.dumps(body).encode()
+
+
+Result = float | str | tuple[float | str, float | str]
+
+
+async def _ttft(session: aiohttp.ClientSession, url: str, body: bytes) -> float | str:
+    """Milliseconds to the first SSE chunk, or an error text."""
+    t0 = time.perf_counter()
+    try:
+        async with session.post(
+            url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"}
+        ) as resp:
+            if resp.status != 200:
+                return f"HTTP {resp.status}"
+            first = await resp.content.readany()
+            ttft = (time.perf_counter() - t0) * 1e3
+            await resp.read()  # to the end: the connection goes back to the pool
+            return ttft if first else "empty stream"
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+async def _arrivals(
+    rate: float, seconds: float, rng: random.Random, send: Callable[[], Any]
+) -> list[Result]:
+    """Open-loop Poisson arrivals for ``seconds``; each one's result."""
+    if rate <= 0:
+        return []
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    end = t + seconds
+    tasks: list[asyncio.Task[Result]] = []
+    while True:
+        t += rng.expovariate(rate)
+        if t >= end:
+            break
+        await asyncio.sleep(max(0.0, t - loop.time()))
+        tasks.append(asyncio.create_task(send()))
+    return list(await asyncio.gather(*tasks))
+
+
+async def _phase(
+    session: aiohttp.ClientSession,
+    url: str,
+    worker: str,
+    model: str,
+    args: argparse.Namespace,
+    long_rate: float,
+    seed: str,
+) -> dict[str, list[Result]]:
+    rng = random.Random(seed)
+    count = iter(range(1 << 30))
+
+    async def short() -> Result:
+        n = next(count)
+        routed, direct = (
+            _chat(model, [{"role": "user", "content": f"Say something about {who} {n}."}])
+            for who in ("it", "that")
+        )
+        a, b = await asyncio.gather(_ttft(session, url, routed), _ttft(session, worker, direct))
+        return (a, b)
+
+    def long() -> Any:
+        messages = [
+            {"role": "system", "content": _novel(rng, args.stall_long_words)},
+            {"role": "user", "content": _novel(rng, 20)},
+        ]
+        return _ttft(session, url, _chat(model, messages))
+
+    shorts, longs = await asyncio.gather(
+        _arrivals(args.stall_short_rate, args.stall_seconds, random.Random(seed + "s"), short),
+        _arrivals(long_rate, args.stall_seconds, random.Random(seed + "l"), long),
+    )
+    return {"short": shorts, "long": longs}
+
+
+def _summary(results: list[dict[str, list[Result]]]) -> dict[str, Any]:
+    pairs = [x for r in results for x in r["short"] if isinstance(x, tuple)]
+    ok = [(a, b) for a, b in pairs if isinstance(a, float) and isinstance(b, float)]
+    short = [a for a, _ in ok]
+    direct = [b for _, b in ok]
+    added = [a - b for a, b in ok]
+    long = [x for r in results for x in r["long"] if isinstance(x, float)]
+    flat = [y for x in (*pairs, *(x for r in results for x in r["long"])) for y in _items(x)]
+    errors = [x for x in flat if isinstance(x, str)]
+    return {
+        "short_requests": len(short),
+        "short_ttft_p50_ms": _pct(short, 0.5),
+        "short_ttft_p99_ms": _pct(short, 0.99),
+        "short_ttft_max_ms": _pct(short, 1.0),
+        "direct_ttft_p50_ms": _pct(direct, 0.5),
+        "direct_ttft_p99_ms": _pct(direct, 0.99),
+        "added_p50_ms": _pct(added, 0.5),
+        "added_p99_ms": _pct(added, 0.99),
+        "long_requests": len(long),
+        "long_ttft_p50_ms": _pct(long, 0.5),
+        "errors": len(errors),
+        "error_examples": errors[:3],
+    }
+
+
+def _items(x: Result) -> tuple[float | str, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+async def _measure(
+    urls: dict[str, str], worker: str, model: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Phases: quiet (offload on, short chats alone), offload on, offload off; alternated."""
+    plan = [("quiet", urls["offload"], 0.0), ("offload", urls["offload"], args.stall_long_rate)]
+    plan.append(("no_offload", urls["no_offload"], args.stall_long_rate))
+    out: dict[str, list[dict[str, list[Result]]]] = {name: [] for name, _, _ in plan}
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        for rnd in range(args.stall_rounds):
+            for name, url, long_rate in plan if rnd % 2 == 0 else plan[::-1]:
+                seed = f"{args.seed}-stall-{rnd}-{name}"
+                phase = await _phase(session, url, worker, model, args, long_rate, seed)
+                out[name].append(phase)
+    return {name: _summary(results) for name, results in out.items()}
+
+
+def run_stall(
+    stack: Stack, run_async: Callable[[Any], Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The stall figures on ``stack`` (gateway 0 offloads as configured): a second gateway
+    process with ``tokenize_thread_chars: 0`` is started for the comparison."""
+    pool = stack.gateway_config(0)["pools"][0]
+    g = len(stack.gateways)
+    stack.start_gateway(g, pools=[{**pool, "tokenize_thread_chars": 0}])
+    stack.wait_ready()
+    urls = {"offload": stack.gateway_urls[0], "no_offload": stack.gateway_urls[g]}
+    worker = stack.worker_urls[0]
+    phases: dict[str, Any] = run_async(_measure(urls, worker, stack.config.model, args))
+    on, off = phases["offload"], phases["no_offload"]
+    a, b = on["added_p99_ms"], off["added_p99_ms"]
+    return {
+        "phases": phases,
+        "added_p99_offload_vs_no_offload": round(a / b, 3) if a and b else None,
+        "tokenize_thread_chars": pool.get("tokenize_thread_chars", "default (8192)"),
+    }
+
+
+def new_conversation_cost(tokenizer_path: str, template: str, words: int) -> dict[str, Any]:
+    """CPU ms: a cold chat, a new chat under its (now known) system prompt, and the new chat's
+    user message encoded alone (median of 5 each, fresh texts every time)."""
+    from gateway.tokenization import Tokenizer
+
+    rng = random.Random(11)
+    cold, new, alone = [], [], []
+    for _ in range(5):
+        tok = Tokenizer.load(tokenizer_path, template)
+        system = {"role": "system", "content": _novel(rng, words)}
+        first = [system, {"role": "user", "content": _novel(rng, 60)}]
+        user = _novel(rng, 60)
+        t = time.process_time()
+        tok.encode_chat(first)
+        cold.append(time.process_time() - t)
+        t = time.process_time()
+        tok.encode_chat([system, {"role": "user", "content": user}])
+        new.append(time.process_time() - t)
+        t = time.process_time()
+        tok.encode(user, add_special_tokens=False)
+        alone.append(time.process_time() - t)
+        tok.close()
+
+    def med(xs: list[float]) -> float:
+        return round(sorted(xs)[len(xs) // 2] * 1e3, 3)
+
+    return {
+        "system_words": words,
+        "cold_chat_cpu_ms": med(cold),
+        "new_conversation_cpu_ms": med(new),
+        "new_text_alone_cpu_ms": med(alone),
+        "new_conversation_vs_cold": round(med(new) / med(cold), 3) if med(cold) else None,
+    }
