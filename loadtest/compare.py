@@ -616,6 +616,16 @@ def window_bound(stream: Stream, rate: float, cfg: CompareConfig) -> dict[str, A
 # -- live runs --------------------------------------------------------------------------------
 
 
+def _predicted_and_agreed(stack: Stack, replicas: int) -> tuple[float, float]:
+    """kvroute's predicted-cached and engine-agreed prompt tokens so far, over its replicas
+    (``kvroute_predicted_matched_tokens_total``, ``kvroute_agreed_cached_tokens_total``)."""
+    predicted = agreed = 0.0
+    for g in range(replicas):
+        predicted += stack.metric_sum("kvroute_predicted_matched_tokens_total", gateway=g)
+        agreed += stack.metric_sum("kvroute_agreed_cached_tokens_total", gateway=g)
+    return predicted, agreed
+
+
 def scrape_workers(urls: list[str], dp_size: int = 1) -> dict[str, dict[str, float]]:
     """Per worker (per data-parallel rank, ``worker-<i>.dp<r>``, when workers have several):
     requests finished, prompt tokens, cached prompt tokens (engine counters)."""
@@ -916,14 +926,19 @@ class _Runner:
             stack.wait_ready()
             urls = stack.gateway_urls[: cfg.replicas]
             _reset_workers(stack)
+        kvroute = not peers
         try:
             snap: dict[str, dict[str, dict[str, float]]] = {}
-            timer = threading.Timer(
-                warmup,
-                lambda: snap.setdefault(
+            tokens_at_warmup: list[tuple[float, float]] = []
+
+            def at_warmup() -> None:
+                snap.setdefault(
                     "at_warmup", scrape_workers(stack.worker_urls, stack.config.dp_size)
-                ),
-            )
+                )
+                if kvroute:
+                    tokens_at_warmup.append(_predicted_and_agreed(stack, cfg.replicas))
+
+            timer = threading.Timer(warmup, at_warmup)
             dcfg = DriverConfig(
                 base_url=urls[0],
                 model=stack.config.model,
@@ -943,6 +958,12 @@ class _Runner:
                 stack.worker_urls, stack.config.dp_size
             )
             per_worker = _delta(scrape_workers(stack.worker_urls, stack.config.dp_size), before)
+            precision = None
+            if kvroute:
+                predicted, agreed = _predicted_and_agreed(stack, cfg.replicas)
+                p0, a0 = tokens_at_warmup[0] if tokens_at_warmup else (0.0, 0.0)
+                if predicted > p0:
+                    precision = round((agreed - a0) / (predicted - p0), 4)
         finally:
             _stop_peers(stack, peers)
         measured = [
@@ -983,6 +1004,10 @@ class _Runner:
                 {w: v["prompt_tokens"] - v["cached_tokens"] for w, v in per_worker.items()},
             )["max_mean_tokens"],
             "per_worker": per_worker,
+            # Q8: of the prompt tokens kvroute's index predicted cached on the chosen worker,
+            # the fraction the engine reported reused (per request min(predicted, reported)),
+            # over the measured window; None for peers (no index to check) or no prediction
+            "index_precision": precision,
             "warmup_s": round(warmup, 1),
             "ttfts_ms": ttfts,
         }
@@ -1115,6 +1140,13 @@ def markdown(report: dict[str, Any]) -> str:
         bounds = ", ".join(f"{k}: {v:.3f}" for k, v in report["bound_by_load"].items())
         head += f"Pooled-cache bound on the hit rate of each run's measured window: {bounds}\n\n"
     text = head + format_table([cells(r) for r in report["results"]], markdown=True) + "\n"
+    precision = [
+        f"{r['system']} @ {r['load']:g}: {r['index_precision']:.4f}"
+        for r in report["results"]
+        if r.get("index_precision") is not None
+    ]
+    if precision:  # Q8: predicted-cached tokens the engines reported reused
+        text += "\nIndex precision (Q8, ≥ 0.98): " + "; ".join(precision) + "\n"
     slo = report.get("capacity_at_slo") or {}
     if slo:
         rows = []

@@ -245,12 +245,19 @@ def test_compare_runs_kvroute_and_the_peers_on_one_cluster(
     assert sent == [[(it.index, it.at) for it in items]] * len(systems)
     assert rows["kvroute"]["hit_rate"] > rows["smg-round_robin"]["hit_rate"]
     assert rows["vllm-router-kv_aware"]["hit_rate"] > rows["smg-round_robin"]["hit_rate"]
+    # Q8: the index's predictions, checked against what the engines reported reusing
+    assert 0.98 <= rows["kvroute"]["index_precision"] <= 1.0
+    assert all(rows[s]["index_precision"] is None for s in systems[1:])
     out = Path(report["config"]["out_dir"])
     on_disk = json.loads((out / "compare.json").read_text())
     assert [r["system"] for r in on_disk["results"]] == systems
     assert set(on_disk["capacity_at_slo"]) == set(systems)
     md = (out / "compare.md").read_text()
     assert "| smg-cache_aware " in md and "Capacity at SLO" in md
+    assert (
+        f"Index precision (Q8, ≥ 0.98): kvroute @ 0.5: {rows['kvroute']['index_precision']:.4f}"
+        in md
+    )
     assert report["plots"] and all(Path(p).stat().st_size > 0 for p in report["plots"])
     assert any(p.endswith("capacity_at_slo.png") for p in report["plots"])
 
