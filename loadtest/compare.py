@@ -929,16 +929,12 @@ class _Runner:
         kvroute = not peers
         try:
             snap: dict[str, dict[str, dict[str, float]]] = {}
-            tokens_at_warmup: list[tuple[float, float]] = []
-
-            def at_warmup() -> None:
-                snap.setdefault(
+            timer = threading.Timer(
+                warmup,
+                lambda: snap.setdefault(
                     "at_warmup", scrape_workers(stack.worker_urls, stack.config.dp_size)
-                )
-                if kvroute:
-                    tokens_at_warmup.append(_predicted_and_agreed(stack, cfg.replicas))
-
-            timer = threading.Timer(warmup, at_warmup)
+                ),
+            )
             dcfg = DriverConfig(
                 base_url=urls[0],
                 model=stack.config.model,
@@ -959,11 +955,12 @@ class _Runner:
             )
             per_worker = _delta(scrape_workers(stack.worker_urls, stack.config.dp_size), before)
             precision = None
-            if kvroute:
+            if kvroute:  # the whole run: its gateways started with it, counters at zero
+                # (a window would split requests in flight at its start: predicted counted at
+                # their first token, agreed at their usage)
                 predicted, agreed = _predicted_and_agreed(stack, cfg.replicas)
-                p0, a0 = tokens_at_warmup[0] if tokens_at_warmup else (0.0, 0.0)
-                if predicted > p0:
-                    precision = round((agreed - a0) / (predicted - p0), 4)
+                if predicted > 0:
+                    precision = round(agreed / predicted, 4)
         finally:
             _stop_peers(stack, peers)
         measured = [
@@ -1006,7 +1003,7 @@ class _Runner:
             "per_worker": per_worker,
             # Q8: of the prompt tokens kvroute's index predicted cached on the chosen worker,
             # the fraction the engine reported reused (per request min(predicted, reported)),
-            # over the measured window; None for peers (no index to check) or no prediction
+            # over the whole run; None for peers (no index to check) or no prediction
             "index_precision": precision,
             "warmup_s": round(warmup, 1),
             "ttfts_ms": ttfts,
