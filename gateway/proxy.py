@@ -594,6 +594,11 @@ class Proxy:
                     self.registry.on_success(wid)
                     if not isinstance(params := _json(data), dict):
                         params = {}
+                    # the prefill worker's own precision: its prediction against the cache
+                    # it reported reusing (the decode's usage speaks for the decode worker);
+                    # SGLang's prefill answers a streamed request with a stream
+                    usage = parse_usage(params or _stream_usage(data))
+                    self.registry.observe(pool.name, decision, _cached(usage), self.clock())
                     kv = params.get("kv_transfer_params")
                     return kv if isinstance(kv, dict) else {}
                 return {}  # the answer broke after it began: the KV is on its way
@@ -856,6 +861,14 @@ async def _end_with_error(
 def _with_worker(exc: _Retry, worker: str) -> _Retry:
     exc.worker = exc.worker or worker
     return exc
+
+
+def _stream_usage(data: bytes) -> Any:
+    """The usage-bearing object of a whole SSE answer (None if it carries none)."""
+    events = _SseFilter(strip_usage=False)
+    events.feed(data)
+    events.flush()
+    return events.usage
 
 
 def _json(data: bytes) -> Any:
