@@ -66,6 +66,9 @@ class Router:
         cost = cost or CostModel()
         # busy workers ordered by the cost model's lower bound (see CostModel.queue_key)
         self.loads = loads if loads is not None else LoadTracker(order_key=cost.queue_key)
+        # one bit space for the index's match masks and the tracker's sets (see PoolView)
+        self._slot_epoch = self.index.slot_epoch
+        self.loads.bind_bits(self.index.bit)
         self.ctx = PolicyContext(cost=cost, rng=rng or random.Random())
         self.speculate = speculate
         #: the engines' own block size: they reuse whole engine blocks only (set from the
@@ -126,12 +129,15 @@ class Router:
         """
         index = self.index
         self.loads.refresh(now)
-        levels = index.match_levels(keys) if self.policy.uses_index and keys else []
+        if index.slot_epoch != self._slot_epoch:  # the index freed a slot: bits may have moved
+            self._slot_epoch = index.slot_epoch
+            self.loads.bind_bits(index.bit)
+        masks = index.match_masks(keys) if self.policy.uses_index and keys else []
         excluded = frozenset(exclude)
         if adapter is not None:
             excluded |= self.adapters.not_serving(adapter)
-        pool = PoolView(self.loads, levels, excluded, frozenset(untrusted))
-        if not pool.workers:
+        pool = PoolView.from_masks(self.loads, masks, excluded, frozenset(untrusted))
+        if not pool.size:
             raise NoCandidates("no healthy worker")
         if adapter is not None:
             pool.adapter_missing = self.adapters.not_loaded(adapter, pool.workers)
@@ -143,8 +149,8 @@ class Router:
         if not dry_run:
             if adapter is not None:
                 self.adapters.routed(decision.worker, adapter)
-            if pool.levels:  # the prefix this request shares with the cluster's caches
-                self.ctx.popularity.observe(keys[pool.levels[0][0] - 1], now)
+            if pool.masks:  # the prefix this request shares with the cluster's caches
+                self.ctx.popularity.observe(keys[pool.masks[0][0] - 1], now)
             else:
                 self.ctx.popularity.observe_request(now)
             if self.speculate and keys:
