@@ -184,7 +184,7 @@ class PredictedTTFT(Policy):
                 bound = key * scale
                 if not explain and min_base + bound > reach:
                     break
-                m = _level(levels, bits_of[w])
+                m = _level(levels, bits_of[w]) if levels else 0
                 left = busy_at.get(m, 0) - 1
                 if left < 0:  # this match length is done (all seen, or enough scored)
                     continue
