@@ -20,8 +20,8 @@ Every formula is pure given ``params`` and calibration only multiplies the resul
 policy's per-decision terms are memoised unscaled: ``request_terms`` per number of new
 tokens (a decision needs them once per distinct match length, and prompt lengths recur) and
 ``load_terms`` per worker load (a busy worker's queue costs the same for every request until
-its load changes). The memos are bounded and keyed on the ``params`` object, which is never
-mutated in place (assign a new ``CostParams`` to change the model).
+its load changes). The memos are bounded and forgotten when ``params`` is assigned; a
+``CostParams`` is never mutated in place (assign a new one to change the model).
 """
 
 from __future__ import annotations

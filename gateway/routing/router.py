@@ -8,6 +8,10 @@ Life of a request: ``route()`` (lookup + policy; speculative insert of the promp
 the chosen worker, deferred when the keys are lazy) -> ``started()`` when it is sent (in-flight accounting) -> ``first_token()``
 (prefill done; calibrates the cost model) -> ``finished()``. A retry on another worker is a
 new ``route()`` with the failed worker excluded from the candidates.
+
+The load tracker's worker bits are the index's slots (``LoadTracker.bind_bits``), so the
+index's match masks and the tracker's idle and member sets meet as integers in ``PoolView``
+without a per-worker translation; when the index frees a slot the bits are bound again.
 """
 
 from __future__ import annotations

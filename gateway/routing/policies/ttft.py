@@ -44,7 +44,13 @@ scored once per match length, and busy ones are visited by increasing lower boun
 (``CostModel.queue_key``) until the bound shows no later one can win; at most
 ``max_scored`` busy workers are scored per match length (later ones of that length have
 larger bounds, so they could only tie). A decision touches a few dozen workers at most,
-whatever the pool size.
+whatever the pool size, and nothing in it grows with a prefix's holders: match levels, idle
+workers and members are bit sets (``PoolView``), counted and intersected, never listed; once
+only levels with few busy holders are left unfinished, the scan visits just those (in the
+same order); the longest-waiting idle worker of a group is found from the tracker's waiting
+order; the cost model's request and load terms are memoised. A prefix held by all of 2,048
+workers costs what one held by two does. The decisions, ties and random draws are exactly
+those of a scan over every worker in the same order (tests/test_routing_scale.py).
 """
 
 from __future__ import annotations
