@@ -48,8 +48,10 @@ class LoadView:
 
 
 _IDLE = LoadView()
-#: decoded bit sets kept by ``LoadTracker.names``
+#: decoded bit sets kept by ``LoadTracker.names``, and the largest kept (memory stays below
+#: a few MB however large the pool)
 _DECODED_MAX = 4096
+_DECODED_LARGEST = 128
 
 
 @dataclass
@@ -207,9 +209,10 @@ class LoadTracker:
                 low = b & -b
                 out.append(names[low.bit_length() - 1])  # type: ignore[arg-type]
                 b ^= low
-        if len(self._decoded) >= _DECODED_MAX:
-            self._decoded.clear()
-        self._decoded[bits] = out
+        if len(out) <= _DECODED_LARGEST:
+            if len(self._decoded) >= _DECODED_MAX:
+                self._decoded.clear()
+            self._decoded[bits] = out
         return out
 
     def _assign_bit(self, worker: str) -> None:

@@ -375,8 +375,8 @@ def _group_names(pool: PoolView, group: int, unmatched: bool) -> list[str]:
     that match nothing, by bit (the index's slot order) for a level's holders."""
     if not unmatched:
         return pool.loads.names(group)
-    bits_of = pool.loads.bits()
-    return [w for w in pool.loads.idle_workers() if bits_of[w] & group]
+    members = set(pool.loads.names(group))  # a set: a probe per idle worker, not a bit test
+    return [w for w in pool.loads.idle_workers() if w in members]
 
 
 #: idle groups up to this size are decoded to find their oldest member; larger ones are
