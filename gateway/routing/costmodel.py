@@ -15,6 +15,13 @@ chunks, each chunk stretched by the decode work riding along.
 ``observe()`` calibrates online: the ratio of observed to predicted TTFT is tracked with an
 exponentially weighted average and multiplies every prediction, so a model fitted on other
 hardware still ranks workers correctly and its absolute numbers converge to the truth.
+
+Every formula is pure given ``params`` and calibration only multiplies the result, so a
+policy's per-decision terms are memoised unscaled: ``request_terms`` per number of new
+tokens (a decision needs them once per distinct match length, and prompt lengths recur) and
+``load_terms`` per worker load (a busy worker's queue costs the same for every request until
+its load changes). The memos are bounded and forgotten when ``params`` is assigned; a
+``CostParams`` is never mutated in place (assign a new one to change the model).
 """
 
 from __future__ import annotations
@@ -22,7 +29,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["CostModel", "CostParams"]
+__all__ = ["CostModel", "CostParams", "LoadTerms", "RequestTerms"]
+
+#: memoised entries per table before it is cleared (a few KB each; distinct prompt lengths
+#: and loads seen in a short while are far fewer)
+_MEMO_MAX = 8192
 
 
 @dataclass
@@ -48,6 +59,24 @@ class CostParams:
     calibration_alpha: float = 0.05
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTerms:
+    """The request's side of its predicted TTFT for ``new`` uncached tokens (unscaled ms)."""
+
+    prefill: float  # ``prefill_ms(new)``: one batch, the compute the request costs the worker
+    chunked: float  # ``chunked_prefill_ms(new)``: its own prefill, chunked
+    own: tuple[float, int]  # ``own_prefill(new)``: (ms, steps), at least one token
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTerms:
+    """A worker's side of ``ttft_after`` for one load (unscaled): what a request waits for."""
+
+    queued_ms: float  # chunked prefill of the queued tokens (0 when none)
+    queued_steps: int  # engine steps the queue takes
+    decode_ms: float  # one decode step at the worker's KV usage; 0 when nothing runs
+
+
 @dataclass
 class CostModel:
     """Pure arithmetic over ``CostParams`` plus one calibration factor."""
@@ -55,6 +84,50 @@ class CostModel:
     params: CostParams = field(default_factory=CostParams)
     scale: float = 1.0
     observations: int = 0
+    _req_memo: dict[float, RequestTerms] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _load_memo: dict[tuple[float, float, float], LoadTerms] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "params" and "_req_memo" in self.__dict__:  # a new model: forget the memos
+            self._req_memo.clear()
+            self._load_memo.clear()
+        object.__setattr__(self, name, value)
+
+    def request_terms(self, new_tokens: float) -> RequestTerms:
+        """``RequestTerms`` of ``new_tokens`` uncached tokens, memoised."""
+        t = self._req_memo.get(new_tokens)
+        if t is None:
+            if len(self._req_memo) >= _MEMO_MAX:
+                self._req_memo.clear()
+            t = RequestTerms(
+                self.prefill_ms(new_tokens),
+                self.chunked_prefill_ms(new_tokens),
+                self.own_prefill(new_tokens),
+            )
+            self._req_memo[new_tokens] = t
+        return t
+
+    def load_terms(self, queued_tokens: float, running: float, kv_usage: float) -> LoadTerms:
+        """``LoadTerms`` of one worker load, memoised: ``ttft_after(own, q, r, kv)`` equals
+        ``(own[0] + queued_ms + (queued_steps + own[1]) * decode_overlap * decode_ms if
+        running else own[0] + queued_ms) * scale``, bit for bit."""
+        key = (queued_tokens, running, kv_usage)
+        t = self._load_memo.get(key)
+        if t is None:
+            if len(self._load_memo) >= _MEMO_MAX:
+                self._load_memo.clear()
+            p = self.params
+            t = LoadTerms(
+                self.chunked_prefill_ms(queued_tokens) if queued_tokens > 0 else 0.0,
+                math.ceil(queued_tokens / p.max_batched_tokens) if running > 0 else 0,
+                self.decode_step_ms(kv_usage) if running > 0 else 0.0,
+            )
+            self._load_memo[key] = t
+        return t
 
     def prefill_ms(self, tokens: float) -> float:
         """Time to prefill ``tokens`` new tokens as one batch (no chunking)."""

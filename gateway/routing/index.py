@@ -90,6 +90,8 @@ class ShadowIndex:
         self._decoded: dict[int, list[str]] = {}  # slot mask -> worker ids (match cache)
         #: speculate_later's calls, applied before the index is next read or changed
         self._pending: deque[tuple[str, Sequence[int], float, int]] = deque()
+        #: bumped whenever a worker's slot is freed (its bit may then name another worker)
+        self.slot_epoch = 0
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -112,9 +114,15 @@ class ShadowIndex:
         self._worker[slot] = None
         self._decoded.clear()
         heapq.heappush(self._free, slot)
+        self.slot_epoch += 1
 
     def workers(self) -> list[str]:
         return list(self._slot)
+
+    def bit(self, worker: str) -> int:
+        """The bit of ``worker`` in match masks (``match_masks``); makes the worker known.
+        A bit stays the worker's until ``remove_worker`` (``slot_epoch`` then changes)."""
+        return 1 << self._slot_of(worker)
 
     def __contains__(self, worker: object) -> bool:
         return worker in self._slot
@@ -270,6 +278,13 @@ class ShadowIndex:
         Workers sharing a match length are interchangeable for the prefill they save, and
         there are few distinct lengths, so policies work per level instead of per worker.
         """
+        decode = self._decode
+        return [(blocks, decode(bits)) for blocks, bits in self.match_masks(keys)]
+
+    def match_masks(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """``match_levels`` with each level's workers as a bit set (``bit(worker)`` each):
+        ``[(matched blocks, bits), ...]``, longest first. A prefix held by most of a large
+        fleet is one integer here, where a list of its holders costs a step per holder."""
         if self._pending:
             self.settle()
         n = len(keys)
@@ -300,8 +315,8 @@ class ShadowIndex:
             node = node.children.get(keys[pos])
         if alive not in (0, -1) and pos:
             drops.append((pos, alive))
-        decode = self._decode
-        return [(blocks, decode(bits)) for blocks, bits in reversed(drops)]
+        drops.reverse()
+        return drops
 
     def _decode(self, bits: int) -> list[str]:
         """Worker ids of a slot mask. Holder sets recur (a system prompt's holders), so

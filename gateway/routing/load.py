@@ -8,15 +8,26 @@ Every change recomputes that worker's effective ``LoadView`` at once, and the tr
 the pool ordered for the policy: a set of idle workers (interchangeable for a request none of
 them has cached) and the busy ones sorted by queued prefill work. A decision then looks at a
 handful of workers instead of scanning them all, which is what lets one routing core serve a
-64-worker pool in tens of microseconds and a 512-worker simulated cluster at all.
+64-worker pool in tens of microseconds and a 2,048-worker simulated cluster.
+
+Each worker has a bit (by default its own; a ``Router`` binds them to the shadow index's
+slots, so index match masks and load sets combine with one integer operation): the members
+and the idle workers are also kept as bit sets, so a policy counts the idle holders of a
+prefix without touching them one by one. Idle workers are also kept sorted by when they were
+last sent a request: an idle worker's last send cannot change while it stays idle (a send
+makes it busy), so "the idle holder that has waited longest" is found by walking that order
+from its oldest end, not by scanning every idle holder.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from gateway.contract.wire import EngineReport
 
@@ -37,6 +48,10 @@ class LoadView:
 
 
 _IDLE = LoadView()
+#: decoded bit sets kept by ``LoadTracker.names``, and the largest kept (memory stays below
+#: a few MB however large the pool)
+_DECODED_MAX = 4096
+_DECODED_LARGEST = 128
 
 
 @dataclass
@@ -98,12 +113,23 @@ class LoadTracker:
         self._expiry: deque[tuple[float, str, int]] = deque()  # report freshness deadlines
         self._last_sent: dict[str, float] = {}  # worker -> when it was last sent a request
         self._sorted_workers: list[str] | None = None
+        self._idle_age: list[tuple[float, str]] = []  # idle (last sent, worker), ascending
+        self._idle_age_key: dict[str, tuple[float, str]] = {}
+        # bits: worker -> 1 << slot; slot -> worker; bit sets of members and idle members
+        self._bit_of: Callable[[str], int] | None = None  # bound slots (None: own slots)
+        self._bits: dict[str, int] = {}
+        self._slot_names: list[str | None] = []
+        self._free_slots: list[int] = []
+        self._member_bits = 0
+        self._idle_bits = 0
+        self._decoded: dict[int, list[str]] = {}  # bit set -> names (names' cache)
 
     # -- membership -------------------------------------------------------------------------
 
     def add_worker(self, worker: str) -> None:
         if worker not in self._w:
             self._w[worker] = _Worker()
+            self._assign_bit(worker)
             self._place(worker, _IDLE)
             self._sorted_workers = None
 
@@ -112,6 +138,7 @@ class LoadTracker:
         if w is None:
             return
         self._unplace(worker, w.view)
+        self._release_bit(worker)
         self._last_sent.pop(worker, None)
         for rid in w.requests:
             self._req.pop(rid, None)
@@ -132,6 +159,86 @@ class LoadTracker:
         if self._sorted_workers is None:
             self._sorted_workers = sorted(self._w)
         return self._sorted_workers
+
+    # -- bits ---------------------------------------------------------------------------------
+
+    def bind_bits(self, bit_of: Callable[[str], int] | None) -> None:
+        """Take each worker's bit from ``bit_of`` (e.g. ``ShadowIndex.bit``: one bit space with
+        the index's match masks), now and for workers added later; None: the tracker's own.
+        Call it again whenever the source may have reassigned bits."""
+        self._bit_of = bit_of
+        self._bits.clear()
+        self._slot_names = []
+        self._free_slots = []
+        self._member_bits = self._idle_bits = 0
+        for worker in self._w:
+            self._assign_bit(worker)
+        self._idle_bits = sum(self._bits[w] for w in self._idle)
+
+    def bit(self, worker: str) -> int:
+        """The worker's bit (0 for a worker not in the pool)."""
+        return self._bits.get(worker, 0)
+
+    def bits(self) -> dict[str, int]:
+        """Worker -> bit, for fast lookups (do not mutate)."""
+        return self._bits
+
+    def member_bits(self) -> int:
+        return self._member_bits
+
+    def idle_bits(self) -> int:
+        return self._idle_bits
+
+    def names(self, bits: int) -> list[str]:
+        """The workers of a bit set, by increasing bit (bits of non-members are ignored; do
+        not mutate). Holder sets recur (a system prompt's holders), so recent ones are kept
+        until membership changes."""
+        bits &= self._member_bits
+        out = self._decoded.get(bits)
+        if out is not None:
+            return out
+        names = self._slot_names
+        if bits.bit_count() > 64:  # a large set: find its bits in C
+            raw = np.frombuffer(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), np.uint8)
+            found = np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+            out = [names[i] for i in found]  # type: ignore[misc]
+        else:
+            out = []
+            b = bits
+            while b:
+                low = b & -b
+                out.append(names[low.bit_length() - 1])  # type: ignore[arg-type]
+                b ^= low
+        if len(out) <= _DECODED_LARGEST:
+            if len(self._decoded) >= _DECODED_MAX:
+                self._decoded.clear()
+            self._decoded[bits] = out
+        return out
+
+    def _assign_bit(self, worker: str) -> None:
+        if self._bit_of is not None:
+            bit = self._bit_of(worker)
+        else:
+            slot = heapq.heappop(self._free_slots) if self._free_slots else len(self._slot_names)
+            bit = 1 << slot
+        slot = bit.bit_length() - 1
+        names = self._slot_names
+        if slot >= len(names):
+            names.extend([None] * (slot + 1 - len(names)))
+        names[slot] = worker
+        self._bits[worker] = bit
+        self._member_bits |= bit
+        self._decoded.clear()
+
+    def _release_bit(self, worker: str) -> None:
+        bit = self._bits.pop(worker, 0)
+        if bit:
+            slot = bit.bit_length() - 1
+            self._slot_names[slot] = None
+            self._member_bits &= ~bit
+            self._decoded.clear()
+            if self._bit_of is None:
+                heapq.heappush(self._free_slots, slot)
 
     # -- inputs -----------------------------------------------------------------------------
 
@@ -232,12 +339,21 @@ class LoadTracker:
         """Idle workers as a mapping, for fast membership tests (do not mutate)."""
         return self._idle_pos
 
+    def idle_by_age(self) -> list[tuple[float, str]]:
+        """Idle workers as (last sent, worker), longest waiting first (-inf: never sent; do not
+        mutate)."""
+        return self._idle_age
+
     def busy_count(self) -> int:
         return len(self._busy)
 
     def busy_by_key(self) -> Iterator[tuple[float, str]]:
         """Busy workers as (order key, worker), by increasing key."""
         return iter(self._busy)
+
+    def busy_entry(self, worker: str) -> tuple[float, str] | None:
+        """A busy worker's (order key, worker), as ``busy_by_key`` yields it (None: idle)."""
+        return self._busy_key.get(worker)
 
     def last_sent(self, worker: str) -> float:
         """When ``worker`` was last sent a request (-inf: never)."""
@@ -267,6 +383,11 @@ class LoadTracker:
             if not w.view.idle
         )
         assert all(self._idle[i] == n for n, i in self._idle_pos.items())
+        assert self._idle_age == sorted(
+            (self._last_sent.get(n, float("-inf")), n) for n in self._idle
+        )
+        assert self._idle_bits == sum(self._bits[n] for n in self._idle)
+        assert self._member_bits == sum(self._bits[n] for n in self._w)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -299,6 +420,10 @@ class LoadTracker:
         if view.idle:
             self._idle_pos[worker] = len(self._idle)
             self._idle.append(worker)
+            self._idle_bits |= self._bits[worker]
+            age = (self._last_sent.get(worker, float("-inf")), worker)
+            self._idle_age_key[worker] = age
+            bisect.insort(self._idle_age, age)
         else:
             entry = (
                 self.order_key(view.queued_prefill_tokens, view.running, view.kv_usage),
@@ -314,6 +439,9 @@ class LoadTracker:
             if last != worker:
                 self._idle[pos] = last
                 self._idle_pos[last] = pos
+            self._idle_bits &= ~self._bits[worker]
+            age = self._idle_age_key.pop(worker)
+            del self._idle_age[bisect.bisect_left(self._idle_age, age)]
             return
         entry = self._busy_key.pop(worker, None)
         if entry is None:

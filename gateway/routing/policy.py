@@ -14,7 +14,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, overload
 
 from gateway.routing.costmodel import CostModel
 from gateway.routing.load import LoadTracker, LoadView
@@ -28,6 +28,7 @@ __all__ = [
     "PolicyContext",
     "PoolView",
     "RouteRequest",
+    "WorkerSet",
     "make_policy",
     "policy_names",
     "register",
@@ -76,8 +77,61 @@ class Decision:
     candidates: tuple[CandidateScore, ...] = ()  # evaluated candidates (all, with explain)
 
 
+class WorkerSet(Sequence[str]):
+    """A bit set of a pool's workers as a read-only sequence of ids (by increasing bit).
+
+    Size and membership cost one integer operation; the ids are listed only when iterated
+    or indexed, so a policy that asks "is my pick a holder, and how many are there?" of a
+    prefix the whole fleet holds does not pay a step per holder."""
+
+    __slots__ = ("_list", "bits", "loads")
+
+    def __init__(self, loads: LoadTracker, bits: int) -> None:
+        self.loads = loads
+        self.bits = bits
+        self._list: list[str] | None = None
+
+    def _names(self) -> list[str]:
+        if self._list is None:
+            self._list = self.loads.names(self.bits)
+        return self._list
+
+    def __len__(self) -> int:
+        return self.bits.bit_count()
+
+    def __contains__(self, worker: object) -> bool:
+        return isinstance(worker, str) and bool(self.bits & self.loads.bit(worker))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        return self._names()[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WorkerSet):
+            return self.bits == other.bits and self.loads is other.loads
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"WorkerSet({self._names()!r})"
+
+
 class PoolView:
-    """The eligible workers of a pool for one request, with matches and load order."""
+    """The eligible workers of a pool for one request, with matches and load order.
+
+    Matches are kept as bit sets (``masks``, in the load tracker's bit space: the index's
+    slots when a ``Router`` built it), so a prefix that most of a large fleet holds costs one
+    integer operation, not a step per holder; ``levels`` lists the workers, decoded when
+    asked."""
+
+    _levels: list[tuple[int, Sequence[str]]] | None
 
     def __init__(
         self,
@@ -86,19 +140,55 @@ class PoolView:
         exclude: frozenset[str] = frozenset(),
         untrusted: frozenset[str] = frozenset(),
     ) -> None:
-        self.loads = loads
-        self.exclude = exclude
-        #: [(matched blocks, eligible workers)], longest first (ShadowIndex.match_levels);
-        #: ``untrusted`` workers stay eligible but show no match: they compete on load alone
         members = loads.members()
         hidden = exclude | untrusted
         if hidden:
             levels = [(n, [w for w in ws if w not in hidden]) for n, ws in levels]
-        self.levels = [
+        levels = [
             (n, ws if all(map(members.__contains__, ws)) else [w for w in ws if w in members])
             for n, ws in levels
         ]
-        self.levels = [(n, ws) for n, ws in self.levels if ws]
+        levels = [(n, ws) for n, ws in levels if ws]
+        bits = loads.bits()
+        masks = [(n, sum(bits[w] for w in ws)) for n, ws in levels]
+        self._init(loads, masks, exclude, untrusted)
+        self._levels = list(levels)
+
+    @classmethod
+    def from_masks(
+        cls,
+        loads: LoadTracker,
+        masks: list[tuple[int, int]],
+        exclude: frozenset[str] = frozenset(),
+        untrusted: frozenset[str] = frozenset(),
+    ) -> PoolView:
+        """From ``ShadowIndex.match_masks`` (its bits must be the tracker's: ``bind_bits``)."""
+        view = cls.__new__(cls)
+        keep = loads.member_bits()
+        for w in exclude | untrusted:
+            keep &= ~loads.bit(w)
+        masks = [(n, b & keep) for n, b in masks]
+        view._init(loads, [(n, b) for n, b in masks if b], exclude, untrusted)
+        return view
+
+    def _init(
+        self,
+        loads: LoadTracker,
+        masks: list[tuple[int, int]],
+        exclude: frozenset[str],
+        untrusted: frozenset[str],
+    ) -> None:
+        self.loads = loads
+        self.exclude = exclude
+        #: [(matched blocks, eligible workers' bits)], longest first, none empty;
+        #: ``untrusted`` workers stay eligible but show no match: they compete on load alone
+        self.masks = masks
+        eligible = loads.member_bits()
+        for w in exclude:
+            eligible &= ~loads.bit(w)
+        #: bits of the eligible workers
+        self.eligible_bits = eligible
+        self._levels = None
         self._matches: dict[str, int] | None = None
         self._workers: list[str] | None = None
         #: eligible workers without the request's LoRA adapter loaded (they pay its load)
@@ -112,6 +202,24 @@ class PoolView:
         for w, n in matches.items():
             by.setdefault(n, []).append(w)
         return cls(loads, sorted(by.items(), reverse=True), exclude)
+
+    @property
+    def levels(self) -> list[tuple[int, Sequence[str]]]:
+        """[(matched blocks, eligible workers)], longest first (ShadowIndex.match_levels);
+        the workers as a ``WorkerSet`` (listed only if iterated)."""
+        if self._levels is None:
+            self._levels = [(n, WorkerSet(self.loads, b)) for n, b in self.masks]
+        return self._levels
+
+    @property
+    def size(self) -> int:
+        """How many workers are eligible."""
+        return self.eligible_bits.bit_count()
+
+    @property
+    def idle_bits(self) -> int:
+        """Bits of the eligible idle workers."""
+        return self.loads.idle_bits() & self.eligible_bits
 
     @property
     def matches(self) -> dict[str, int]:
@@ -148,7 +256,7 @@ class PoolView:
     def busy_count(self) -> int:
         if not self.exclude:
             return self.loads.busy_count()
-        return sum(1 for _ in self.busy_by_key())
+        return self.size - self.idle_bits.bit_count()
 
 
 @dataclass

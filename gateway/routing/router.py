@@ -8,6 +8,10 @@ Life of a request: ``route()`` (lookup + policy; speculative insert of the promp
 the chosen worker, deferred when the keys are lazy) -> ``started()`` when it is sent (in-flight accounting) -> ``first_token()``
 (prefill done; calibrates the cost model) -> ``finished()``. A retry on another worker is a
 new ``route()`` with the failed worker excluded from the candidates.
+
+The load tracker's worker bits are the index's slots (``LoadTracker.bind_bits``), so the
+index's match masks and the tracker's idle and member sets meet as integers in ``PoolView``
+without a per-worker translation; when the index frees a slot the bits are bound again.
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ class Router:
         cost = cost or CostModel()
         # busy workers ordered by the cost model's lower bound (see CostModel.queue_key)
         self.loads = loads if loads is not None else LoadTracker(order_key=cost.queue_key)
+        # one bit space for the index's match masks and the tracker's sets (see PoolView)
+        self._slot_epoch = self.index.slot_epoch
+        self.loads.bind_bits(self.index.bit)
         self.ctx = PolicyContext(cost=cost, rng=rng or random.Random())
         self.speculate = speculate
         #: the engines' own block size: they reuse whole engine blocks only (set from the
@@ -126,12 +133,15 @@ class Router:
         """
         index = self.index
         self.loads.refresh(now)
-        levels = index.match_levels(keys) if self.policy.uses_index and keys else []
+        if index.slot_epoch != self._slot_epoch:  # the index freed a slot: bits may have moved
+            self._slot_epoch = index.slot_epoch
+            self.loads.bind_bits(index.bit)
+        masks = index.match_masks(keys) if self.policy.uses_index and keys else []
         excluded = frozenset(exclude)
         if adapter is not None:
             excluded |= self.adapters.not_serving(adapter)
-        pool = PoolView(self.loads, levels, excluded, frozenset(untrusted))
-        if not pool.workers:
+        pool = PoolView.from_masks(self.loads, masks, excluded, frozenset(untrusted))
+        if not pool.size:
             raise NoCandidates("no healthy worker")
         if adapter is not None:
             pool.adapter_missing = self.adapters.not_loaded(adapter, pool.workers)
@@ -150,8 +160,8 @@ class Router:
         if not dry_run:
             if adapter is not None:
                 self.adapters.routed(decision.worker, adapter)
-            if pool.levels:  # the prefix this request shares with the cluster's caches
-                self.ctx.popularity.observe(keys[pool.levels[0][0] - 1], now)
+            if pool.masks:  # the prefix this request shares with the cluster's caches
+                self.ctx.popularity.observe(keys[pool.masks[0][0] - 1], now)
             else:
                 self.ctx.popularity.observe_request(now)
             if self.speculate and keys:

@@ -17,6 +17,9 @@ with the number of busy workers, so project from a run at the full worker count)
 same stream through ``round_robin`` as the in-run baseline (the simulator without
 index-driven routing), so the ratio survives machine noise.
 
+``cpu_s`` is the process's CPU time beside the wall time: on a machine shared with other
+jobs the wall time includes waiting for a core, the CPU time does not.
+
 ``ok``: with ``--full``, the run's wall time within the Q6 budget; otherwise the projection
 (``projected_full_s``) within it, a necessary condition only (``ok_basis`` says which).
 """
@@ -71,7 +74,9 @@ def _trace(args: argparse.Namespace, workers: int, requests: int) -> Path:
     return path
 
 
-def _run(path: Path, cfg: ClusterConfig, requests: int, quiet: bool) -> tuple[SimResult, float]:
+def _run(
+    path: Path, cfg: ClusterConfig, requests: int, quiet: bool
+) -> tuple[SimResult, float, float]:
     bar = tqdm(total=requests, desc=cfg.policy, unit="req", disable=quiet, mininterval=1.0)
     seen = [0]
 
@@ -79,11 +84,11 @@ def _run(path: Path, cfg: ClusterConfig, requests: int, quiet: bool) -> tuple[Si
         bar.update(n - seen[0])
         seen[0] = n
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = simulate(trace_arrivals(path, limit=requests), cfg, progress)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     bar.close()
-    return res, wall
+    return res, wall, cpu
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,13 +113,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kv_blocks=args.kv_blocks,
             seed=args.seed,
         )
-        res, wall = _run(path, cfg, requests, quiet)
+        res, wall, cpu = _run(path, cfg, requests, quiet)
         s = res.summary
         rps = s["requests"] / wall
         us = wall / s["requests"] * 1e6
         row = {
             "policy": policy,
             "wall_s": round(wall, 1),
+            "cpu_s": round(cpu, 1),
             "requests_per_s": round(rps, 1),
             "us_per_request": round(us, 1),
             "projected_full_s": round(us * Q6_REQUESTS / 1e6, 1),

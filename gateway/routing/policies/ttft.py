@@ -47,11 +47,18 @@ scored once per match length, and busy ones are visited by increasing lower boun
 (``CostModel.queue_key``) until the bound shows no later one can win; at most
 ``max_scored`` busy workers are scored per match length (later ones of that length have
 larger bounds, so they could only tie). A decision touches a few dozen workers at most,
-whatever the pool size.
+whatever the pool size, and nothing in it grows with a prefix's holders: match levels, idle
+workers and members are bit sets (``PoolView``), counted and intersected, never listed; once
+only levels with few busy holders are left unfinished, the scan visits just those (in the
+same order); the longest-waiting idle worker of a group is found from the tracker's waiting
+order; the cost model's request and load terms are memoised. A prefix held by all of 2,048
+workers costs what one held by two does. The decisions, ties and random draws are exactly
+those of a scan over every worker in the same order (tests/test_routing_scale.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from itertools import repeat
 
 from gateway.routing.policy import (
@@ -104,36 +111,40 @@ class PredictedTTFT(Policy):
         tie_ms, tie_ratio = self.tie_ms, self.tie_ratio
         prompt = request.prompt_tokens
         mt = request.matched_tokens
+        bits_of = pool.loads.bits()
 
         # Workers with the same matched prefix ("level") and the same load are
-        # interchangeable: a level's idle workers are scored once, and busy workers are
-        # visited by increasing lower bound (LoadTracker's order) until no level that still
-        # has unvisited workers can win.
-        level_of: dict[str, int] = {}
-        idle_at: dict[int, list[str]] = {}
-        busy_at: dict[int, int] = {}
-        idle_pos = pool.loads.idle_index()
-        for blocks, ws in pool.levels:
+        # interchangeable: a level's idle workers are one bit set scored once, and busy
+        # workers are visited by increasing lower bound (LoadTracker's order) until no level
+        # that still has unvisited workers can win. Nothing here walks a level's holders.
+        idle_all = pool.idle_bits
+        levels: list[tuple[int, int]] = []  # (matched tokens, holders' bits), longest first
+        idle_at: dict[int, int] = {}  # matched tokens -> its idle workers' bits
+        busy_at: dict[int, int] = {}  # matched tokens -> how many busy workers
+        held = 0
+        for blocks, hb in pool.masks:
             m = mt(blocks)
-            level_of.update(dict.fromkeys(ws, m))
-            idle = [w for w in ws if w in idle_pos]
-            if idle:
+            levels.append((m, hb))
+            held |= hb
+            idle = hb & idle_all
+            n_idle = idle.bit_count()
+            if n_idle:  # (a later level of the same length replaces an earlier one's)
                 idle_at[m] = idle
-            if len(idle) < len(ws):
-                busy_at[m] = busy_at.get(m, 0) + len(ws) - len(idle)
-        idle0 = [w for w in pool.idle() if w not in level_of] if level_of else pool.idle()
-        if idle0:
+            n = hb.bit_count()
+            if n_idle < n:
+                busy_at[m] = busy_at.get(m, 0) + n - n_idle
+        idle0 = idle_all & ~held
+        # idle_at[0] is the idle workers that match nothing (their tie order is the tracker's)
+        unmatched = bool(idle0)
+        if unmatched:
             idle_at[0] = idle0
         busy0 = pool.busy_count() - sum(busy_at.values())
         if busy0 > 0:
             busy_at[0] = busy_at.get(0, 0) + busy0
 
-        floors: dict[int, float] = {}
-        bases: dict[int, float] = {}
-        for m in {0, *idle_at, *busy_at}:
-            new = prompt - m
-            floors[m] = cw * cost.prefill_ms(new) * scale
-            bases[m] = cost.chunked_prefill_ms(new) * scale + floors[m]
+        terms = {m: cost.request_terms(prompt - m) for m in {0, *idle_at, *busy_at}}
+        floors = {m: cw * t.prefill * scale for m, t in terms.items()}
+        bases = {m: t.chunked * scale + floors[m] for m, t in terms.items()}
 
         # A LoRA request costs an adapter load where the adapter is not loaded: an idle
         # worker without it is worse than one with it at the same match, so a level keeps
@@ -142,8 +153,9 @@ class PredictedTTFT(Policy):
         pen = cost.params.adapter_load_ms * scale if missing else 0.0
         idle_pen: dict[int, float] = {}
         if missing:
-            for m, ws in idle_at.items():
-                have = [w for w in ws if w not in missing]
+            lacking = sum(bits_of.get(w, 0) for w in missing)
+            for m, g in idle_at.items():
+                have = g & ~lacking
                 if have:
                     idle_at[m] = have
                 else:
@@ -152,7 +164,7 @@ class PredictedTTFT(Policy):
         best = float("inf")
         idle_score: dict[int, tuple[float, float]] = {}
         for m in idle_at:
-            t = cost.ttft_ms(0.0, prompt - m, 0.0, 0.0) + idle_pen.get(m, 0.0)
+            t = terms[m].own[0] * scale + idle_pen.get(m, 0.0)  # ttft_ms(0, prompt - m, 0, 0)
             idle_score[m] = (t + floors[m], t)
             best = min(best, t + floors[m])
 
@@ -164,44 +176,65 @@ class PredictedTTFT(Policy):
         limit = best + max(tie_ms, best * tie_ratio)
         reach = limit + step
         min_base = min((bases[m] for m in busy_at), default=float("inf"))
-        own = {m: cost.own_prefill(prompt - m) for m in floors}
         scored_at: dict[int, int] = {}
         cap = self.max_scored if not explain else 0
         view = pool.view
-        for key, w in pool.busy_by_key():
-            bound = key * scale
-            if not explain and min_base + bound > reach:
-                break
-            m = level_of.get(w, 0)
-            left = busy_at.get(m, 0) - 1
-            if left < 0:  # this match length is done (all seen, or enough scored)
-                continue
-            n = scored_at.get(m, 0) + 1
-            scored_at[m] = n
-            if left and n != cap:
-                busy_at[m] = left
-            else:  # later workers of this length have larger bounds: they could only tie
-                del busy_at[m]
-                min_base = min((bases[x] for x in busy_at), default=float("inf"))
-            if not explain and bases[m] + bound > reach:
-                continue
-            v = view(w)
-            t = cost.ttft_after(own[m], v.queued_prefill_tokens, v.running, v.kv_usage)
-            if missing and w in missing:
-                t += pen
-            s = t + floors[m]
-            scored.append((s, w, m, t))
-            if s < best:
-                best = s
-                limit = best + max(tie_ms, best * tie_ratio)
-                reach = limit + step
+        load_terms = cost.load_terms
+        overlap = cost.params.decode_overlap
+        # Busy workers in (key, worker) order: the pool's, until only levels with few busy
+        # holders are left (a conversation's holders, typically), then just theirs, so a
+        # scan does not step over the many busy workers of finished levels (see _narrow).
+        total = dict(busy_at)
+        source = None if explain else _narrow(levels, busy_at, total, idle_all, pool, None)
+        if source is None:
+            source = pool.busy_by_key()
+        while source is not None:
+            it, source = source, None
+            for entry in it:
+                key, w = entry
+                bound = key * scale
+                if not explain and min_base + bound > reach:
+                    break
+                m = _level(levels, bits_of[w]) if levels else 0
+                left = busy_at.get(m, 0) - 1
+                if left < 0:  # this match length is done (all seen, or enough scored)
+                    continue
+                n = scored_at.get(m, 0) + 1
+                scored_at[m] = n
+                if left and n != cap:
+                    busy_at[m] = left
+                else:  # later workers of this length have larger bounds: they could only tie
+                    del busy_at[m]
+                    min_base = min((bases[x] for x in busy_at), default=float("inf"))
+                    if not explain:
+                        source = _narrow(levels, busy_at, total, idle_all, pool, entry)
+                if explain or bases[m] + bound <= reach:
+                    # cost.ttft_after(own_prefill(prompt - m), queued, running, kv), memoised
+                    v = view(w)
+                    lt = load_terms(v.queued_prefill_tokens, v.running, v.kv_usage)
+                    own = terms[m].own
+                    ms = own[0] + lt.queued_ms
+                    if v.running > 0:
+                        ms += (lt.queued_steps + own[1]) * overlap * lt.decode_ms
+                    t = ms * scale
+                    if missing and w in missing:
+                        t += pen
+                    s = t + floors[m]
+                    scored.append((s, w, m, t))
+                    if s < best:
+                        best = s
+                        limit = best + max(tie_ms, best * tie_ratio)
+                        reach = limit + step
+                if source is not None:
+                    break
 
         near = [e for e in scored if e[0] <= limit]
         near_idle = [m for m, (s, _) in idle_score.items() if s <= limit]
         top = max([e[2] for e in near] + near_idle)
         ties = [e[1] for e in near if e[2] == top]
+        group = 0  # idle workers tied with ``ties``
         if top in near_idle:
-            ties.extend(idle_at[top])
+            group = idle_at[top]
         elif self.step_ties:  # an idle engine starts at once: only busy ones have a phase
             at_top = [e for e in scored if e[2] == top]
             first = min(at_top)
@@ -211,21 +244,20 @@ class PredictedTTFT(Policy):
                 + self.step_ties * (cost.decode_step_ms(pool.view(first[1]).kv_usage) * scale)
             )
             ties = [e[1] for e in at_top if e[0] <= window]
-        pick = self._tie_break(ties, pool, ctx)
-        matched = level_of.get(pick, 0)
-        if pick in idle_pos:
-            ttft = idle_score[matched][1]
+        pick = self._tie_break(ties, group, top == 0 and unmatched, pool, ctx)
+        if group and pick not in ties:
+            matched, ttft = top, idle_score[top][1]
         else:
-            ttft = next(e[3] for e in scored if e[1] == pick)
-        best_match = mt(pool.levels[0][0]) if pool.levels else 0
+            _, _, matched, ttft = next(e for e in scored if e[1] == pick)
+        best_match = mt(pool.masks[0][0]) if pool.masks else 0
         replicate = self.replication and request.adapter is None  # adapters: not modelled
         replica = self._replica(request, pool, ctx, pick) if replicate else None
         if replica is not None:
-            pick, matched = replica, level_of.get(replica, 0)
+            pick, matched = replica, _level(levels, bits_of[replica])
             v = pool.view(replica)
             ttft = cost.ttft_ms(v.queued_prefill_tokens, prompt - matched, v.running, v.kv_usage)
             return Decision(pick, self.name, "replicate", matched, ttft, ())
-        if len(pool.workers) == 1:
+        if pool.size == 1:
             reason = "single"
         elif best_match == 0:
             reason = "cold"
@@ -235,21 +267,46 @@ class PredictedTTFT(Policy):
             reason = "balance"
         cands: tuple[CandidateScore, ...] = ()
         if explain:
-            for m, ws in idle_at.items():
+            for m, g in idle_at.items():
+                ws = _group_names(pool, g, m == 0 and unmatched)
                 scored.extend((idle_score[m][0], w, m, idle_score[m][1]) for w in ws)
             cands = tuple(CandidateScore(w, m, t, s) for s, w, m, t in scored)
         return Decision(pick, self.name, reason, matched, ttft, cands)
 
     @staticmethod
-    def _tie_break(ties: list[str], pool: PoolView, ctx: PolicyContext) -> str:
-        """Among equally good workers, the one that has waited longest for a request; a coin
-        toss among those never sent one. Round robin among equals spaces each worker's
-        arrivals evenly, which queues less than independent random picks."""
-        if len(ties) == 1:
-            return ties[0]
-        sent = list(map(pool.loads.last_sent_map().get, ties, repeat(float("-inf"))))
-        oldest = min(sent)
-        return ctx.rng.choice([w for w, t in zip(ties, sent, strict=True) if t == oldest])
+    def _tie_break(
+        ties: list[str], group: int, unmatched: bool, pool: PoolView, ctx: PolicyContext
+    ) -> str:
+        """Among equally good workers (busy ``ties`` and the idle ``group``), the one that has
+        waited longest for a request; a coin toss among those never sent one. Round robin
+        among equals spaces each worker's arrivals evenly, which queues less than independent
+        random picks.
+
+        The idle group is a bit set: its longest-waiting member is found from the tracker's
+        idle workers in waiting order. Only when several candidates share the oldest time is
+        the list drawn from built, in the order it has always had (busy ties in scan order,
+        then the group: the tracker's idle order for workers matching nothing, else by bit),
+        so the same seed draws the same worker."""
+        n_group = group.bit_count()
+        if len(ties) + n_group == 1:
+            return ties[0] if ties else pool.loads.names(group)[0]
+        sent_of = pool.loads.last_sent_map().get
+        inf = float("-inf")
+        sent = list(map(sent_of, ties, repeat(inf)))
+        oldest = min(sent, default=float("inf"))
+        first: list[str] = [w for w, t in zip(ties, sent, strict=True) if t == oldest]
+        if group:
+            g_oldest, g_first = _oldest_idle(pool, group, n_group)
+            if g_oldest < oldest:
+                oldest, first = g_oldest, g_first
+            elif g_oldest == oldest:
+                first = first + g_first
+        if len(first) > 1:  # several waited equally long: draw in the established order
+            members = _group_names(pool, group, unmatched) if group else []
+            first = [w for w in ties if sent_of(w, inf) == oldest] + [
+                w for w in members if sent_of(w, inf) == oldest
+            ]
+        return ctx.rng.choice(first)
 
     def _replica(
         self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, pick: str
@@ -304,3 +361,78 @@ class PredictedTTFT(Policy):
                 v = pool.view(w)
                 return w if (v.running, v.queued_prefill_tokens) < mine else None
         return None
+
+
+#: busy holders left in the unfinished levels below which a scan visits only them
+_NARROW = 64
+
+
+def _narrow(
+    levels: list[tuple[int, int]],
+    busy_at: dict[int, int],
+    total: dict[int, int],
+    idle_all: int,
+    pool: PoolView,
+    after: tuple[float, str] | None,
+) -> Iterator[tuple[float, str]] | None:
+    """The busy holders of the unfinished levels past ``after``, in the pool's busy order:
+    what the scan would visit next, without the workers of finished levels in between
+    (skipped anyway). None while the workers matching nothing are unfinished (their set is
+    the rest of the pool) or the unfinished levels hold more than ``_NARROW`` busy workers."""
+    if not busy_at or 0 in busy_at or sum(total[m] for m in busy_at) > _NARROW:
+        return None
+    bits = 0
+    for m, hb in levels:
+        if m in busy_at:
+            bits |= hb
+    entry = pool.loads.busy_entry
+    rest = [e for e in map(entry, pool.loads.names(bits & ~idle_all)) if e is not None]
+    if after is not None:
+        rest = [e for e in rest if e > after]
+    rest.sort()
+    return iter(rest)
+
+
+def _level(levels: list[tuple[int, int]], bit: int) -> int:
+    """The matched tokens of the worker with ``bit`` (0: it matches nothing)."""
+    for m, hb in levels:
+        if hb & bit:
+            return m
+    return 0
+
+
+def _group_names(pool: PoolView, group: int, unmatched: bool) -> list[str]:
+    """An idle group's workers in their tie order: the tracker's idle order for the workers
+    that match nothing, by bit (the index's slot order) for a level's holders."""
+    if not unmatched:
+        return pool.loads.names(group)
+    members = set(pool.loads.names(group))  # a set: a probe per idle worker, not a bit test
+    return [w for w in pool.loads.idle_workers() if w in members]
+
+
+#: idle groups up to this size are decoded to find their oldest member; larger ones are
+#: found by walking the idle workers in waiting order (a member turns up within about
+#: idle / group steps)
+_DECODE_GROUP = 16
+
+
+def _oldest_idle(pool: PoolView, group: int, n_group: int) -> tuple[float, list[str]]:
+    """The earliest last send among the idle workers of ``group``, and those members that
+    have it (in no particular order)."""
+    loads = pool.loads
+    if n_group <= _DECODE_GROUP:
+        sent_of = loads.last_sent_map().get
+        ws = loads.names(group)
+        sent = [sent_of(w, float("-inf")) for w in ws]
+        oldest = min(sent)
+        return oldest, [w for w, t in zip(ws, sent, strict=True) if t == oldest]
+    bits_of = loads.bits()
+    found: list[str] = []
+    oldest = float("inf")
+    for t, w in loads.idle_by_age():
+        if found and t != oldest:
+            break
+        if bits_of[w] & group:
+            oldest = t
+            found.append(w)
+    return oldest, found
