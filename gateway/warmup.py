@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -30,15 +32,26 @@ from aiohttp import web
 
 from gateway.config import WarmupSettings
 from gateway.metrics import GatewayMetrics
+from gateway.pinning import pin_rank
 from gateway.routing.replication import WarmupIntent
 
 if TYPE_CHECKING:
     from gateway.pool import Pool
     from gateway.server import Gateway
 
-__all__ = ["Warmer", "attach"]
+__all__ = ["Target", "Warmer", "attach"]
 
 log = logging.getLogger("kvroute.warmup")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a worker's warm-up goes: its engine's URL and, for a data-parallel rank, the
+    rank to pin (the engine's own balancer would otherwise warm whichever rank it picks)."""
+
+    url: str
+    engine: str = "vllm"
+    dp_rank: int | None = None
 
 
 class Warmer:
@@ -48,14 +61,14 @@ class Warmer:
         self,
         settings: WarmupSettings,
         session: Callable[[], aiohttp.ClientSession],
-        url_of: Callable[[str], str | None],
+        target_of: Callable[[str], Target | None],
         metrics: GatewayMetrics,
         headers: dict[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self._session = session  # the proxy's pooled session (opened at start-up)
-        self._url_of = url_of  # worker id -> base URL from the registry (None: gone)
+        self._target_of = target_of  # worker id -> its engine, from the registry (None: gone)
         self.metrics = metrics
         self.headers = headers or {}
         self.clock = clock
@@ -101,11 +114,18 @@ class Warmer:
     async def _send(self, pool: Pool, intent: WarmupIntent, ids: list[int]) -> None:
         wid = intent.worker
         m = self.metrics
-        url = self._url_of(wid)
-        if url is None:
+        target = self._target_of(wid)
+        if target is None:
             m.warmups_failed.labels(pool.name, wid, "gone").inc()
             return
-        body = {"model": pool.name, "prompt": ids, "max_tokens": 1, "stream": False}
+        fields = {"model": pool.name, "prompt": ids, "max_tokens": 1, "stream": False}
+        body, headers = pin_rank(
+            target.engine,
+            target.dp_rank,
+            json.dumps(fields, separators=(",", ":")).encode(),
+            fields,
+            {**self.headers, "Content-Type": "application/json"},
+        )
         loads = pool.router.loads
         rid = loads.started(wid, len(ids), self.clock())
         m.warmups_sent.labels(pool.name, wid).inc()
@@ -114,7 +134,7 @@ class Warmer:
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.timeout)
             async with self._session().post(
-                url + "/v1/completions", json=body, headers=self.headers, timeout=timeout
+                target.url + "/v1/completions", data=body, headers=headers, timeout=timeout
             ) as resp:
                 await resp.read()
                 if resp.status != 200:
@@ -140,7 +160,7 @@ def attach(app: web.Application, gw: Gateway) -> None:
         warmer = Warmer(
             cfg.warmup,
             lambda: gw.proxy.session,
-            lambda wid: e.url if (e := gw.registry.workers.get(wid)) is not None else None,
+            lambda wid: _target(gw, wid),
             gw.metrics,
             headers={"Authorization": f"Bearer {key}"} if key else None,
         )
@@ -152,3 +172,12 @@ def attach(app: web.Application, gw: Gateway) -> None:
         await warmer.close()
 
     app.cleanup_ctx.append(lifetime)
+
+
+def _target(gw: Gateway, wid: str) -> Target | None:
+    entry = gw.registry.workers.get(wid)
+    if entry is None:
+        return None
+    if entry.info is None:  # a static worker: no rank to pin
+        return Target(entry.url)
+    return Target(entry.url, entry.info.engine, entry.info.dp_rank)

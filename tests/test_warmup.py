@@ -18,7 +18,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
 from gateway.routing.load import LoadTracker
 from gateway.routing.replication import WarmupIntent
-from gateway.warmup import Warmer
+from gateway.warmup import Target, Warmer
 from loadtest.harness import free_port
 
 W = "worker-0"
@@ -31,12 +31,14 @@ class Upstream:
         self.status = 200
         self.hold = False
         self.bodies: list[dict[str, Any]] = []
+        self.rank_headers: list[str | None] = []
         self.arrived = asyncio.Event()
         self.release = asyncio.Event()
         self.url = ""
 
     async def completions(self, request: web.Request) -> web.Response:
         self.bodies.append(await request.json())
+        self.rank_headers.append(request.headers.get("X-data-parallel-rank"))
         self.arrived.set()
         if self.hold:
             await self.release.wait()
@@ -72,10 +74,11 @@ def fake_pool() -> Pool:
 
 
 def warmer(
-    session: aiohttp.ClientSession, url: str | None, **settings: Any
+    session: aiohttp.ClientSession, url: str | None, target: Target | None = None, **settings: Any
 ) -> tuple[Warmer, GatewayMetrics]:
     m = GatewayMetrics()
-    w = Warmer(WarmupSettings(**settings), lambda: session, lambda _: url, m, {"x-k": "v"})
+    to = target or (Target(url) if url is not None else None)
+    w = Warmer(WarmupSettings(**settings), lambda: session, lambda _: to, m, {"x-k": "v"})
     return w, m
 
 
@@ -159,3 +162,21 @@ async def test_a_failed_warmup_is_counted_once_and_not_retried(
     assert pool.router.loads.inflight(W) == 0  # its load is released
     expected_posts = 0 if case in ("connection", "gone") else 1
     assert len(upstream.bodies) == expected_posts  # sent at most once: no retry
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_warmup_for_a_data_parallel_rank_is_pinned_to_it(
+    upstream: Upstream, session: aiohttp.ClientSession, engine: str
+) -> None:
+    """A rank's warm-up must land on that rank (vLLM: a header; SGLang: body fields), not
+    on whichever rank the engine's own balancer picks."""
+    w, _ = warmer(session, None, Target(upstream.url, engine, 3))
+    assert w.submit(fake_pool(), intent(), [5, 6, 7, 8])
+    await drained(w)
+    (body,) = upstream.bodies
+    assert body["prompt"] == [5, 6, 7, 8] and body["max_tokens"] == 1
+    if engine == "vllm":
+        assert upstream.rank_headers == ["3"] and "routed_dp_rank" not in body
+    else:
+        assert upstream.rank_headers == [None]
+        assert body["routed_dp_rank"] == 3 and body["data_parallel_rank"] == 3
