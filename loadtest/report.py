@@ -7,6 +7,15 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``xs``, nearest rank (NaN when empty): what the
+    benchmarks' p50/p99 columns report."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         if v == 0 or 0.01 <= abs(v) < 1e6:

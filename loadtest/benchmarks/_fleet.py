@@ -59,6 +59,7 @@ from gateway.contract.wire import (
 )
 from loadtest.harness import RedisServer
 from loadtest.redis_topologies import LocalCluster
+from loadtest.report import percentile
 
 P2_E2E_BLOCKS_PER_S = 100_000
 P2_LAG_P99_MS = 50.0
@@ -254,13 +255,6 @@ class _Tap:
             self.lags.append(now - entry.ts)
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def _node_cpu(ports: list[int]) -> dict[int, float]:
     out = {}
     for port in ports:
@@ -445,8 +439,8 @@ async def _run_one(
         "lag_rate_blocks_per_s": args.rate,
         "lag_sent_blocks_per_s": round(paced_blocks / send_s),
         "lag_entries": applied_paced,
-        "lag_p50_ms": round(_pct(tap.lags, 0.5) * 1000, 2),
-        "lag_p99_ms": round(_pct(tap.lags, 0.99) * 1000, 2),
+        "lag_p50_ms": round(percentile(tap.lags, 0.5) * 1000, 2),
+        "lag_p99_ms": round(percentile(tap.lags, 0.99) * 1000, 2),
         "redis_cpu_seconds": redis_cpu,
         "redis_cpu_seconds_total": round(sum(redis_cpu.values()), 2),
         "redis_cpu_us_per_block": round(sum(redis_cpu.values()) / max(1, total_blocks) * 1e6, 2),

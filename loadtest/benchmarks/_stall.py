@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 
+from loadtest.report import percentile
 from loadtest.stack import Stack
 from loadtest.workloads import WORDS
 
@@ -47,10 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return round(s[min(len(s) - 1, int(q * len(s)))], 2)
+    return round(percentile(xs, q), 2) if xs else None  # None: JSON has no NaN
 
 
 def _novel(rng: random.Random, words: int) -> str:

@@ -53,6 +53,7 @@ from gateway.contract.wire import Entry, Removed, Stored, key_digest
 from gateway.routing.keys import BlockKeyer
 from loadtest.benchmarks import _fleet
 from loadtest.harness import ChildProcess, RedisServer, free_ports
+from loadtest.report import percentile
 
 NAME = "events"
 HELP = "engine ZMQ -> agent -> Redis -> consumer index: throughput, lag, bytes per block"
@@ -224,13 +225,6 @@ class Tap:
         if self.last_seq >= seq:
             self.done.set()
         await asyncio.wait_for(self.done.wait(), within)
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
