@@ -22,9 +22,11 @@ import random
 from typing import Any
 
 __all__ = [
+    "FAKE_BOOTSTRAP_HOST",
     "VLLM_PREFILL_PARAMS",
     "new_room",
     "sglang_pair_body",
+    "sglang_prefill_alone",
     "vllm_decode_body",
     "vllm_prefill_body",
 ]
@@ -38,6 +40,12 @@ VLLM_PREFILL_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
+
+
+#: SGLang's own placeholder decode address (``sglang.srt.disaggregation.utils``): a prefill
+#: engine given it computes the prompt with a fake KV sender and transfers nothing. SGLang's
+#: server warm-up uses it; kvroute's cache warm-ups too.
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
 
 def _encode(obj: dict[str, Any]) -> bytes:
@@ -77,3 +85,13 @@ def sglang_pair_body(body: bytes, host: str, port: int, room: int) -> bytes:
     obj["bootstrap_port"] = port
     obj["bootstrap_room"] = room
     return _encode(obj)
+
+
+def sglang_prefill_alone(port: int | None, room: int) -> dict[str, Any]:
+    """Fields for a request to an SGLang prefill engine with no decode half (a warm-up): a
+    prefill engine refuses a request without a bootstrap room, and the fake host makes it
+    compute and cache the prompt without waiting for a decode engine to pull the KV."""
+    fields: dict[str, Any] = {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": room}
+    if port is not None:
+        fields["bootstrap_port"] = port
+    return fields

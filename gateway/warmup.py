@@ -25,12 +25,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
 from gateway.config import WarmupSettings
+from gateway.disagg import new_room, sglang_prefill_alone
 from gateway.metrics import GatewayMetrics
 from gateway.pinning import pin_rank
 from gateway.routing.replication import WarmupIntent
@@ -47,11 +48,14 @@ log = logging.getLogger("kvroute.warmup")
 @dataclass(frozen=True)
 class Target:
     """Where a worker's warm-up goes: its engine's URL and, for a data-parallel rank, the
-    rank to pin (the engine's own balancer would otherwise warm whichever rank it picks)."""
+    rank to pin (the engine's own balancer would otherwise warm whichever rank it picks);
+    for an SGLang prefill worker, its role and bootstrap port (see ``_send``)."""
 
     url: str
     engine: str = "vllm"
     dp_rank: int | None = None
+    role: str = ""
+    bootstrap_port: int | None = None
 
 
 class Warmer:
@@ -118,7 +122,16 @@ class Warmer:
         if target is None:
             m.warmups_failed.labels(pool.name, wid, "gone").inc()
             return
-        fields = {"model": pool.name, "prompt": ids, "max_tokens": 1, "stream": False}
+        fields: dict[str, Any] = {
+            "model": pool.name,
+            "prompt": ids,
+            "max_tokens": 1,
+            "stream": False,
+        }
+        if target.engine == "sglang" and target.role == "prefill":
+            # a prefill engine serves only the prefill half of a pair; alone it needs the fake
+            # decode address (vLLM's prefill engines serve a plain request as it is)
+            fields.update(sglang_prefill_alone(target.bootstrap_port, new_room()))
         body, headers = pin_rank(
             target.engine,
             target.dp_rank,
@@ -180,4 +193,5 @@ def _target(gw: Gateway, wid: str) -> Target | None:
         return None
     if entry.info is None:  # a static worker: no rank to pin
         return Target(entry.url)
-    return Target(entry.url, entry.info.engine, entry.info.dp_rank)
+    info = entry.info
+    return Target(entry.url, info.engine, info.dp_rank, info.role, info.bootstrap_port)

@@ -101,6 +101,56 @@ def test_pairs_are_routed_by_cache_and_each_half_predicted(tmp_path: Path, flavo
 
 
 @pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+def test_a_hot_prefix_is_warmed_on_a_second_prefill_worker(tmp_path: Path, flavor: str) -> None:
+    """A prefix in steady demand warrants a second prefill holder: the warm-up must reach it
+    in the engine's protocol (an SGLang prefill engine refuses a request without a bootstrap
+    room) and leave the prefix cached there, so pairs then spill onto it without a cold
+    prefill."""
+    cfg = StackConfig(
+        workers=4,
+        prefill_workers=2,
+        flavor=flavor,
+        speedup=20,
+        log_dir=tmp_path,
+        policy_params={"min_requests": 2, "replication": 200.0},
+    )
+    rng = random.Random(11)
+    prefix = [rng.randrange(1000, 20_000) for _ in range(1024)]
+    with Stack(cfg) as stack:
+        client = openai.OpenAI(base_url=stack.gateway_urls[0] + "/v1", api_key="x", max_retries=0)
+        served: list[tuple[str, int]] = []
+
+        def one() -> bool:
+            tail = [rng.randrange(1000, 20_000) for _ in range(24)]
+            r = client.completions.with_raw_response.create(
+                model=MODEL, prompt=prefix + tail, max_tokens=2
+            )
+            assert r.parse().choices[0].text is not None
+            served.append(
+                (
+                    r.headers["x-kvroute-prefill-worker"],
+                    int(r.headers["x-kvroute-prefill-matched-tokens"]),
+                )
+            )
+            return stack.metric_sum("kvroute_warmups_sent_total") > 0
+
+        assert wait_for(one, 30, step=0.0) is not None, served
+        first = served[0][0]
+        (warmed,) = set(PREFILL) - {first}
+        served.clear()
+
+        def spilled() -> bool:
+            one()
+            return any(w == warmed for w, _ in served)
+
+        assert wait_for(spilled, 30, step=0.0) is not None, served
+        assert stack.metric_sum("kvroute_warmups_sent_total") == 1
+        assert stack.metric_sum("kvroute_warmups_failed_total") == 0
+    # on the warmed worker every pair found the prefix cached: no cold prefill there
+    assert all(matched >= 1024 - 16 for w, matched in served if w == warmed), served
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
 def test_a_prefill_lost_between_the_halves_is_retried(tmp_path: Path, flavor: str) -> None:
     """Both prefill engines answer their next request and then lose its KV (as an engine
     that died right after answering): the decode half fails before the client's first

@@ -180,3 +180,26 @@ async def test_a_warmup_for_a_data_parallel_rank_is_pinned_to_it(
     else:
         assert upstream.rank_headers == [None]
         assert body["routed_dp_rank"] == 3 and body["data_parallel_rank"] == 3
+
+
+@pytest.mark.parametrize(
+    ("engine", "role", "fake"),
+    [("sglang", "prefill", True), ("sglang", "", False), ("vllm", "prefill", False)],
+)
+async def test_a_warmup_of_an_sglang_prefill_worker_names_the_fake_decode(
+    upstream: Upstream, session: aiohttp.ClientSession, engine: str, role: str, fake: bool
+) -> None:
+    """An SGLang prefill engine refuses a request that no decode engine pairs (no bootstrap
+    room); a warm-up alone names SGLang's fake decode address so the prefill engine computes
+    and caches the prefix without waiting for a KV pull. Other workers get the plain body."""
+    w, m = warmer(session, None, Target(upstream.url, engine, None, role, 8998))
+    assert w.submit(fake_pool(), intent(), [5, 6, 7, 8])
+    await drained(w)
+    (body,) = upstream.bodies
+    assert body["prompt"] == [5, 6, 7, 8] and body["max_tokens"] == 1
+    if fake:
+        assert body["bootstrap_host"] == "2.2.2.2" and body["bootstrap_port"] == 8998
+        assert isinstance(body["bootstrap_room"], int) and 0 <= body["bootstrap_room"] < 2**63
+    else:
+        assert not {"bootstrap_host", "bootstrap_port", "bootstrap_room"} & body.keys()
+    assert count(m, "kvroute_warmups_sent") == 1

@@ -32,7 +32,12 @@ import aiohttp
 from loadtest.enginesim.api import ApiError
 from loadtest.enginesim.config import PdConfig
 
-__all__ = ["Transfers", "decode_source", "pull", "vllm_prefill_params"]
+__all__ = ["FAKE_BOOTSTRAP_HOST", "Transfers", "decode_source", "pull", "vllm_prefill_params"]
+
+#: SGLang's placeholder decode address (``sglang.srt.disaggregation.utils``): a prefill request
+#: naming it runs with a fake KV sender (SGLang's own server warm-up sends it) and nothing waits
+#: for a pull
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
 #: KV transfers a prefill engine remembers (the oldest are forgotten first)
 MAX_TRANSFERS = 10_000

@@ -50,7 +50,12 @@ from loadtest.enginesim.api import (
     parse_token_ids,
     pinned_rank,
 )
-from loadtest.enginesim.disagg import decode_source, pull, vllm_prefill_params
+from loadtest.enginesim.disagg import (
+    FAKE_BOOTSTRAP_HOST,
+    decode_source,
+    pull,
+    vllm_prefill_params,
+)
 from loadtest.enginesim.kvcache import TOKEN_BYTES, pack_tokens, unpack_tokens
 from loadtest.enginesim.metrics import CONTENT_TYPE
 from loadtest.enginesim.scheduler import RequestTooLarge
@@ -280,11 +285,13 @@ class _Handlers:
                     return key, params, False
                 return None, None, False
             room = body.get("bootstrap_room")
-            if room is None:
-                return None, None, False
+            if room is None:  # SGLang's prefill engines refuse a request that no decode pairs
+                raise ApiError(400, "a prefill engine needs bootstrap_room", "bootstrap_room")
             if not isinstance(room, int):
                 raise ApiError(400, "bootstrap_room must be an integer", "bootstrap_room")
             g.max_tokens = 1  # a prefill engine stops at the first token; decode does the rest
+            if body.get("bootstrap_host") == FAKE_BOOTSTRAP_HOST:
+                return None, None, False  # SGLang's fake KV sender: computed, cached, not sent
             return f"room-{room}", None, False
         if pd.role == "decode":
             source = decode_source(flavor, body)
