@@ -83,9 +83,11 @@ class StackConfig:
     pool_settings: dict[str, Any] = field(default_factory=dict)
     redis_password: str | None = None
     redis_tls: bool = False
-    #: primaries (at least 3, no replicas) of a Redis Cluster that replaces the one
+    #: primaries (at least 3) of a Redis Cluster that replaces the one
     #: ``redis-server``; every agent and gateway then runs in cluster mode. 0: one server
     redis_cluster: int = 0
+    #: replicas per primary of ``redis_cluster`` (1: a shard can fail over)
+    redis_cluster_replicas: int = 0
     log_dir: Path | None = None
     start_timeout: float = 60.0
     #: "sim": the engine simulator; "vllm-cpu": real vLLM (CPU build, random weights, 32-token
@@ -206,7 +208,9 @@ class Stack:
         if c.redis_password is not None or c.redis_tls:
             raise HarnessError("redis_cluster: no password or TLS (LocalCluster serves neither)")
         self.cluster = LocalCluster(
-            primaries=c.redis_cluster, replicas=0, workdir=self.log_dir / "redis-cluster"
+            primaries=c.redis_cluster,
+            replicas=c.redis_cluster_replicas,
+            workdir=self.log_dir / "redis-cluster",
         )
         self.cluster.start(within=c.start_timeout)
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import random
+import threading
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import redis
 from agent_helpers import (
@@ -32,7 +35,7 @@ from agent_helpers import (
     settle,
     wait_until,
 )
-from chat_helpers import converged, run_chats
+from chat_helpers import MODEL, converged, run_chats, text
 from redis.cluster import key_slot
 
 from gateway.config import GatewayConfig
@@ -352,6 +355,67 @@ def test_stack_on_a_cluster_routes_to_cached_prefixes(tmp_path: Path) -> None:
     for k in range(n, len(rows)):  # each follow-up: the previous turn's worker, a cache hit
         assert rows[k][3] == rows[k - n][3], (k, rows)
         assert rows[k][1] > 0, (k, rows)
+
+
+def test_stack_on_a_cluster_survives_a_shard_failover(tmp_path: Path) -> None:
+    """The binaries through a failover: while chats keep arriving, the primary of one
+    worker's shard is killed and its replica takes over. No client request fails (routing
+    goes on from the last index), the gateway's index ends equal to every agent's mirror (the
+    agents published through the takeover, the consumer re-read the shard), and the turns
+    after it are routed by cache again, each prediction equal to what the engine reused."""
+    cfg = StackConfig(
+        workers=4,
+        speedup=50,
+        redis_cluster=3,
+        redis_cluster_replicas=1,
+        worker_prefix="node",
+        log_dir=tmp_path,
+    )
+    with Stack(cfg) as stack:
+        assert stack.cluster is not None
+        before = run_chats(stack, conversations=4, turns=1, shared_system=False)
+        victim = stack.cluster.primary_for(RedisLayout().stream(stack.worker_id(0)))
+        served: list[str] = []
+        failed: list[BaseException] = []
+        done = threading.Event()
+
+        def traffic() -> None:  # its own conversations, as fast as they are answered
+            client = openai.OpenAI(
+                base_url=stack.gateway_urls[0] + "/v1", api_key="none", max_retries=0
+            )
+            rng = random.Random(4)
+            while not done.is_set():
+                try:
+                    msgs = [{"role": "user", "content": text(rng, 200)}]
+                    r = client.chat.completions.with_raw_response.create(
+                        model=MODEL,
+                        messages=msgs,
+                        max_tokens=4,  # type: ignore[arg-type]
+                    )
+                    served.append(r.headers["x-kvroute-worker"])
+                except Exception as exc:  # every failure is the test's finding
+                    failed.append(exc)
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        try:
+            wait_for(lambda: len(served) >= 3, 30)
+            new = stack.cluster.fail_primary(victim)
+            n_at_takeover = len(served)
+            wait_for(lambda: len(served) >= n_at_takeover + 5, 30)
+        finally:
+            done.set()
+            thread.join(60)
+        assert not failed, failed[:3]
+        assert len(served) >= n_at_takeover + 5, (len(served), n_at_takeover)
+        assert (
+            victim not in stack.cluster.shard_primaries() and new in stack.cluster.shard_primaries()
+        )
+        assert wait_for(lambda: converged(stack), 30) is not None, stack.diverged()
+        after = run_chats(stack, conversations=4, turns=2, shared_system=False)
+    for rows in (before, after):
+        assert [r[0] for r in rows] == [r[1] for r in rows], rows  # predicted == engine reused
+    assert sum(r[1] for r in after[4:]) > 0  # the second turns hit their own first turns
 
 
 @pytest.mark.parametrize(
