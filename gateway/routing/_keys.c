@@ -37,6 +37,26 @@ static inline uint64_t step(chain_t *c, uint64_t h0, uint64_t h1) {
     return c->k0 << 32 | c->k1;
 }
 
+/* The value of an exact int that fits a machine word (every token id does), without a
+ * call: 1, or 0 to take the general path. */
+static inline int compact_value(PyObject *o, long long *t) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+        *t = PyUnstable_Long_CompactValue((PyLongObject *)o);
+        return 1;
+    }
+    return 0;
+#else
+    const digit *d = ((PyLongObject *)o)->ob_digit;
+    switch (Py_SIZE(o)) {
+    case 0: *t = 0; return 1;
+    case 1: *t = d[0]; return 1;
+    case 2: *t = (long long)d[0] | (long long)d[1] << PyLong_SHIFT; return 1;
+    default: return 0;
+    }
+#endif
+}
+
 /* A token id from a Python object, or -1 with an exception set (InvalidTokens for a value
  * outside [0, 2**31) or a non-integer; other exceptions from __index__ propagate). */
 static long long token_from_object(const chain_t *c, PyObject *o) {
@@ -84,10 +104,8 @@ static PyObject *keys_of_sequence(PyObject *seq, Py_ssize_t n, chain_t *c) {
             }
             PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
             long long t;
-            if (PyLong_CheckExact(o)) {
-                int overflow;
-                t = PyLong_AsLongLongAndOverflow(o, &overflow);
-                if (overflow || t < 0 || t >= MAX_TOKEN_ID) {
+            if (PyLong_CheckExact(o) && compact_value(o, &t)) {
+                if (t < 0 || t >= MAX_TOKEN_ID) {
                     invalid(c, "token ids must be in [0, 2**31)");
                     goto fail;
                 }
