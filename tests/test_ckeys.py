@@ -181,3 +181,23 @@ def test_without_the_compiled_module(monkeypatch: pytest.MonkeyPatch) -> None:
     assert k.keys(list(range(64))) == reference_keys(k, list(range(64)))
     with pytest.raises(ImportError):
         BlockKeyer("s", 16, native=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(block_sizes, ids, st.integers(0, 320), st.one_of(st.none(), st.integers(0, 320)), parents)
+def test_a_range_is_keyed_in_place_as_its_slice(
+    bs: int, toks: list[int], start: int, stop: int | None, parent: int | str | None
+) -> None:
+    """``keys(tokens, parent, start, stop)`` is ``keys(tokens[start:stop], parent)`` (LazyKeys
+    and ``extend`` key a prompt's later blocks without copying them out)."""
+    c, n = _pair("s", bs)
+    root = _root(c, parent)
+    if stop is not None and stop < start:
+        for k in (c, n):
+            with pytest.raises(ValueError):
+                k.keys(toks, root, start, stop)
+        return
+    want = reference_keys(c, toks[start:stop], root)
+    assert n.keys(toks, root, start, stop) == want
+    for form in _forms(toks):
+        assert c.keys(form, root, start, stop) == want  # type: ignore[arg-type]

@@ -3,5 +3,10 @@
 from types import NotImplementedType
 
 def keys(
-    tokens: object, parent: int | None, params: tuple[object, ...], /
+    tokens: object,
+    parent: int | None,
+    params: tuple[object, ...],
+    start: int = 0,
+    stop: int = ...,
+    /,
 ) -> list[int] | NotImplementedType: ...

@@ -87,13 +87,13 @@ static long long token_from_object(const chain_t *c, PyObject *o) {
     return v;
 }
 
-/* Keys of the first n blocks of a list or tuple (`seq`, a PySequence_Fast result). */
-static PyObject *keys_of_sequence(PyObject *seq, Py_ssize_t n, chain_t *c) {
+/* Keys of n blocks of a list or tuple (`seq`, a PySequence_Fast result) from item `start`. */
+static PyObject *keys_of_sequence(PyObject *seq, Py_ssize_t start, Py_ssize_t n, chain_t *c) {
     const Py_ssize_t bs = c->bs;
     PyObject *out = PyList_New(n);
     if (out == NULL)
         return NULL;
-    Py_ssize_t i = 0;
+    Py_ssize_t i = start;
     for (Py_ssize_t b = 0; b < n; b++) {
         uint64_t h0 = 0, h1 = 0;
         for (Py_ssize_t k = 0; k < bs; k++, i++) {
@@ -153,12 +153,12 @@ static inline long long buffer_item(const char *p, char fmt) {
     }
 }
 
-/* Keys of the first n blocks of a 1-D integer buffer. */
-static PyObject *keys_of_buffer(const Py_buffer *view, char fmt, Py_ssize_t n,
+/* Keys of n blocks of a 1-D integer buffer from item `start`. */
+static PyObject *keys_of_buffer(const Py_buffer *view, char fmt, Py_ssize_t start, Py_ssize_t n,
                                 chain_t *c) {
     const Py_ssize_t bs = c->bs;
     const Py_ssize_t stride = view->strides ? view->strides[0] : view->itemsize;
-    const char *p = (const char *)view->buf;
+    const char *p = (const char *)view->buf + start * stride;
     PyObject *out = PyList_New(n);
     if (out == NULL)
         return NULL;
@@ -213,17 +213,31 @@ static uint64_t as_u32(PyObject *o, int *err) {
 }
 
 PyDoc_STRVAR(keys_doc,
-"keys(tokens, parent, params) -> list[int] | NotImplemented\n\n"
-"Keys of every full block of tokens (a list, a tuple, a 1-D integer buffer or any sequence),\n"
-"chained from parent (None: from the start state). params = (r, block_size, b0, b1, s0, s1,\n"
+"keys(tokens, parent, params[, start, stop]) -> list[int] | NotImplemented\n\n"
+"Keys of every full block of tokens[start:stop] (a list, a tuple, a 1-D integer buffer or any\n"
+"sequence; no copy of the slice), chained from parent (None: from the start state). params = (r, block_size, b0, b1, s0, s1,\n"
 "invalid): r holds 2*block_size native uint64 words r[k][0], r[k][1], each below 2**27;\n"
 "invalid is the exception class for ids outside [0, 2**31). NotImplemented for a buffer that\n"
 "is not 1-D integers (the caller keys it another way).");
 
 static PyObject *ckeys_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyTuple_CheckExact(args[2]) || PyTuple_GET_SIZE(args[2]) != 7) {
-        PyErr_SetString(PyExc_TypeError, "keys(tokens, parent, params: 7-tuple)");
+    if ((nargs != 3 && nargs != 5) || !PyTuple_CheckExact(args[2]) ||
+        PyTuple_GET_SIZE(args[2]) != 7) {
+        PyErr_SetString(PyExc_TypeError, "keys(tokens, parent, params: 7-tuple[, start, stop])");
         return NULL;
+    }
+    Py_ssize_t start = 0, stop = PY_SSIZE_T_MAX;
+    if (nargs == 5) {
+        start = PyLong_AsSsize_t(args[3]);
+        if (start == -1 && PyErr_Occurred())
+            return NULL;
+        stop = PyLong_AsSsize_t(args[4]);
+        if (stop == -1 && PyErr_Occurred())
+            return NULL;
+        if (start < 0 || stop < start) {
+            PyErr_SetString(PyExc_ValueError, "need 0 <= start <= stop");
+            return NULL;
+        }
     }
     (void)module;
     PyObject *tokens = args[0], *parent = args[1], *params = args[2];
@@ -273,7 +287,8 @@ static PyObject *ckeys_keys(PyObject *module, PyObject *const *args, Py_ssize_t 
     PyObject *out = NULL;
     if (PyList_Check(tokens) || PyTuple_Check(tokens)) {
         Py_INCREF(tokens);
-        out = keys_of_sequence(tokens, PySequence_Fast_GET_SIZE(tokens) / c.bs, &c);
+        Py_ssize_t end = Py_MIN(stop, PySequence_Fast_GET_SIZE(tokens));
+        out = keys_of_sequence(tokens, start, end > start ? (end - start) / c.bs : 0, &c);
         Py_DECREF(tokens);
     } else if (PyObject_CheckBuffer(tokens)) {
         Py_buffer view;
@@ -284,23 +299,27 @@ static PyObject *ckeys_keys(PyObject *module, PyObject *const *args, Py_ssize_t 
             char fmt = integer_format(view.format);
             if (view.ndim != 1 || fmt == 0)
                 out = Py_NewRef(Py_NotImplemented);
-            else
-                out = keys_of_buffer(&view, fmt, view.shape[0] / c.bs, &c);
+            else {
+                Py_ssize_t end = Py_MIN(stop, view.shape[0]);
+                out = keys_of_buffer(&view, fmt, start,
+                                     end > start ? (end - start) / c.bs : 0, &c);
+            }
             PyBuffer_Release(&view);
         }
     } else {
         /* any other sequence: its keyed part as a list (tokens past it are never read) */
         Py_ssize_t len = PySequence_Size(tokens);
         if (len >= 0) {
-            Py_ssize_t n = len / c.bs;
-            PyObject *part = PySequence_GetSlice(tokens, 0, n * c.bs);
+            Py_ssize_t end = Py_MIN(stop, len);
+            Py_ssize_t n = end > start ? (end - start) / c.bs : 0;
+            PyObject *part = PySequence_GetSlice(tokens, start, start + n * c.bs);
             PyObject *seq = part ? PySequence_Fast(part, "tokens must be a sequence") : NULL;
             Py_XDECREF(part);
             if (seq != NULL) {
                 if (PySequence_Fast_GET_SIZE(seq) < n * c.bs)
                     PyErr_SetString(PyExc_ValueError, "token sequence shorter than its length");
                 else
-                    out = keys_of_sequence(seq, n, &c);
+                    out = keys_of_sequence(seq, 0, n, &c);
                 Py_DECREF(seq);
             }
         }

@@ -43,10 +43,9 @@ from typing import overload
 
 import numpy as np
 
-#: the compiled key function: (tokens, parent, constants) -> keys, or NotImplemented for a
-#: buffer it does not read (see gateway/routing/_keys.c)
-_NativeKeys = Callable[[object, "int | None", tuple[object, ...]], "list[int] | NotImplementedType"]
-_native_keys: _NativeKeys | None
+#: the compiled key function: (tokens, parent, constants[, start, stop]) -> keys, or
+#: NotImplemented for a buffer it does not read (see gateway/routing/_keys.c)
+_native_keys: Callable[..., list[int] | NotImplementedType] | None
 try:
     from gateway.routing._ckeys import keys as _native_keys
 except ImportError:  # not built (no C compiler): the numpy path
@@ -71,6 +70,7 @@ _U32 = np.uint64(32)
 _M64 = 2**64 - 1
 #: chains of at most this many blocks are keyed in plain Python (faster than numpy's fixed cost)
 _SMALL_BLOCKS = 3
+_MAX = 2**62  # "to the end" for the compiled function's stop
 #: adapter start states remembered per keyer (a deployment serves a few dozen adapters)
 _MAX_ADAPTER_ROOTS = 4096
 
@@ -151,12 +151,26 @@ class BlockKeyer:
 
     # -- public API -------------------------------------------------------------------------
 
-    def keys(self, tokens: Tokens, parent: int | None = None) -> list[int]:
-        """Keys of every full block of ``tokens``, chained from ``parent`` (None: a root)."""
+    def keys(
+        self, tokens: Tokens, parent: int | None = None, start: int = 0, stop: int | None = None
+    ) -> list[int]:
+        """Keys of every full block of ``tokens[start:stop]`` (``0 <= start <= stop``),
+        chained from ``parent`` (None: a root). The compiled function reads the range in
+        place: no copy of the slice."""
         if self._native is not None:
-            keys = self._native(tokens, parent, self._native_consts)
+            keys = (
+                self._native(tokens, parent, self._native_consts)
+                if start == 0 and stop is None
+                else self._native(
+                    tokens, parent, self._native_consts, start, _MAX if stop is None else stop
+                )
+            )
             if keys is not NotImplemented:  # else a buffer of non-integers: numpy's path
                 return keys
+        if start or stop is not None:
+            if start < 0 or (stop is not None and stop < start):
+                raise ValueError("need 0 <= start <= stop")
+            tokens = tokens[start:stop]
         n = len(tokens) // self.block_size
         if n == 0:
             return []
@@ -227,7 +241,7 @@ class BlockKeyer:
         if start > len(tokens):
             raise ValueError("prev_keys cover more blocks than tokens has")
         parent = prev_keys[-1] if done else root
-        tail = self.keys(tokens[start:], parent)
+        tail = self.keys(tokens, parent, start)
         return [*prev_keys, *tail] if tail else list(prev_keys)
 
     def root_state(self) -> int:
@@ -452,7 +466,7 @@ class LazyKeys(Sequence[int]):
             end = min(self._n, max(k, 2 * done))
             bs = self.keyer.block_size
             parent = keys[-1] if done else self.root
-            keys.extend(self.keyer.keys(self.tokens[done * bs : end * bs], parent))
+            keys.extend(self.keyer.keys(self.tokens, parent, done * bs, end * bs))
             if end == self._n:  # complete: a remembered entry need not hold the ids too
                 self.tokens = ()
         return keys
