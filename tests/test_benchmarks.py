@@ -79,6 +79,17 @@ def test_index_routes_on_the_numpy_keys(capsys: pytest.CaptureFixture[str]) -> N
     assert r["keys_function"] == "numpy" and r["sane"]
 
 
+def test_index_native_keys_need_the_compiled_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loadtest.benchmarks import index as index_bench
+
+    monkeypatch.setattr(index_bench, "native_available", lambda: False)
+    parser = argparse.ArgumentParser()
+    benchmarks.add_arguments(parser)
+    args = parser.parse_args(["index", "--json", "--keys", "native", "--blocks", "100"])
+    with pytest.raises(SystemExit, match="not built"):
+        benchmarks.run(args)
+
+
 def test_index_policy_parameters(capsys: pytest.CaptureFixture[str]) -> None:
     r = bench(capsys, "index", "--workers", "8", "--blocks", "4000", "--tokens", "1024",
               "--queries", "6", "--set", "policy_params.step_ties=1")  # fmt: skip

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.routing import _ckeys
 from gateway.routing import keys as keys_mod
 from gateway.routing.keys import BlockKeyer, InvalidTokens, native_available, reference_keys
 
@@ -201,3 +202,30 @@ def test_a_range_is_keyed_in_place_as_its_slice(
     assert n.keys(toks, root, start, stop) == want
     for form in _forms(toks):
         assert c.keys(form, root, start, stop) == want  # type: ignore[arg-type]
+
+
+def test_a_sequence_shorter_than_its_length_is_an_error() -> None:
+    class Lies(_Ids):
+        def __len__(self) -> int:
+            return len(self._items) + 32
+
+    toks = Lies(list(range(32)))
+    for native in (True, False):
+        with pytest.raises(ValueError):
+            BlockKeyer("s", 16, native=native).keys(toks)
+
+
+def test_the_compiled_function_checks_its_constants() -> None:
+    """Its arguments come from BlockKeyer; wrong ones are errors, never wrong keys."""
+    good = BlockKeyer("s", 16)._native_consts
+    toks = list(range(32))
+    with pytest.raises(TypeError):
+        _ckeys.keys(toks, None)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        _ckeys.keys(toks, None, list(good))  # type: ignore[arg-type]
+    with pytest.raises(ValueError):  # r of another block size
+        _ckeys.keys(toks, None, (good[0], 8, *good[2:]))
+    with pytest.raises(ValueError):  # a base that is no residue
+        _ckeys.keys(toks, None, (*good[:2], 2**32, *good[3:]))
+    with pytest.raises(OverflowError):
+        _ckeys.keys(toks, None, (*good[:4], -1, *good[5:]))
