@@ -97,7 +97,7 @@ static PyObject *keys_of_sequence(PyObject *seq, Py_ssize_t start, Py_ssize_t n,
     for (Py_ssize_t b = 0; b < n; b++) {
         uint64_t h0 = 0, h1 = 0;
         for (Py_ssize_t k = 0; k < bs; k++, i++) {
-            /* __index__ may shrink a list: re-check its length on the slow path */
+            /* __index__ (below) runs Python code that may shrink the list: check every read */
             if (i >= PySequence_Fast_GET_SIZE(seq)) {
                 PyErr_SetString(PyExc_RuntimeError, "token list changed size while keyed");
                 goto fail;
