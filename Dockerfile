@@ -16,6 +16,11 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---- build: install kvroute and its dependencies into a virtualenv -------------------------
 FROM ${PYTHON_IMAGE} AS build
+# gcc builds the compiled key function (gateway/routing/_keys.c -> gateway.routing._ckeys);
+# the python image ships the headers. Only this stage has it: the runtime copies the venv.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
@@ -25,11 +30,13 @@ WORKDIR /src
 # (scripts/lock-requirements), hashes checked; then the package itself.
 COPY requirements.lock ./
 RUN /opt/kvroute/bin/pip install --require-hashes --no-deps --only-binary=:all: -r requirements.lock
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY gateway/ gateway/
 COPY worker_agent/ worker_agent/
 COPY loadtest/ loadtest/
+# the extension is optional to setuptools; the image must have it (checked by the import)
 RUN /opt/kvroute/bin/pip install --no-deps . \
+    && cd / && /opt/kvroute/bin/python -c "import gateway.routing._ckeys" \
     && /opt/kvroute/bin/kvroute gateway --help > /dev/null \
     && /opt/kvroute/bin/kvroute agent --help > /dev/null
 

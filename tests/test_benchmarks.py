@@ -57,6 +57,11 @@ def test_index(capsys: pytest.CaptureFixture[str]) -> None:
     assert 0 < r["route_followup_p50_us"] <= r["route_followup_p99_us"]
     assert r["followups_reuse_keys"] and r["sane"]
     assert r["baseline_ids_to_array_p50_us"] > 0 and r["baseline_dict_walk_p50_us"] > 0
+    # both key functions timed on the cold prompts (their keys checked equal: sane)
+    assert r["keys_function"] == "native"
+    assert set(r["keys_by_path_p50_us"]) == set(r["keys_by_path_vs_ids_to_array"])
+    assert set(r["keys_by_path_p50_us"]) == {"native", "numpy"}
+    assert all(v > 0 for v in r["keys_by_path_p50_us"].values())
     # P2, P3: decoded entries applied; keys as the consumer creates them are counted
     assert r["apply_events_per_s"] > 0 and r["index_apply_events_per_s"] > 0
     assert 40 < r["bytes_per_entry"] < 400
@@ -65,6 +70,24 @@ def test_index(capsys: pytest.CaptureFixture[str]) -> None:
         "bytes_per_entry",
     }  # fmt: skip
     assert r["ok"] == (r["sane"] and all(r["targets"].values()))
+
+
+def test_index_routes_on_the_numpy_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--keys numpy``: the fallback key function routes, with the same decisions."""
+    r = bench(capsys, "index", "--workers", "8", "--blocks", "5000", "--queries", "12",
+              "--keys", "numpy")  # fmt: skip
+    assert r["keys_function"] == "numpy" and r["sane"]
+
+
+def test_index_native_keys_need_the_compiled_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loadtest.benchmarks import index as index_bench
+
+    monkeypatch.setattr(index_bench, "native_available", lambda: False)
+    parser = argparse.ArgumentParser()
+    benchmarks.add_arguments(parser)
+    args = parser.parse_args(["index", "--json", "--keys", "native", "--blocks", "100"])
+    with pytest.raises(SystemExit, match="not built"):
+        benchmarks.run(args)
 
 
 def test_index_policy_parameters(capsys: pytest.CaptureFixture[str]) -> None:

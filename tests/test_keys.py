@@ -19,26 +19,32 @@ VECTOR_ROOT = 0x7BBE34DCF7BAE205
 VECTOR_KEYS = [15225148760064851001, 15175461092400971817]
 
 tokens = st.lists(st.integers(0, 2**31 - 1), max_size=200)
+#: both implementations of the key function: the numpy path and the compiled one (which must
+#: have been built: tests/test_ckeys.py::test_compiled_module_is_built)
+paths = pytest.mark.parametrize("native", [False, True], ids=["numpy", "compiled"])
 
 
-def test_pinned_vector() -> None:
-    k = BlockKeyer(VECTOR_SEED, 16)
+@paths
+def test_pinned_vector(native: bool) -> None:
+    k = BlockKeyer(VECTOR_SEED, 16, native=native)
     assert k.root_state() == VECTOR_ROOT
     assert k.keys(list(range(1, 33))) == VECTOR_KEYS
 
 
+@paths
 @settings(max_examples=200, deadline=None)
 @given(tokens, st.sampled_from([1, 2, 16, 64, 100, 512]))
-def test_vectorised_equals_reference_recurrence(toks: list[int], bs: int) -> None:
-    k = BlockKeyer("s", bs)
+def test_vectorised_equals_reference_recurrence(native: bool, toks: list[int], bs: int) -> None:
+    k = BlockKeyer("s", bs, native=native)
     assert k.keys(toks) == reference_keys(k, toks)
     assert k.keys(np.array(toks, dtype=np.int64)) == reference_keys(k, toks)
 
 
+@paths
 @settings(max_examples=200, deadline=None)
 @given(tokens, st.integers(0, 200))
-def test_chain_continues_from_any_parent(toks: list[int], cut: int) -> None:
-    k = BlockKeyer("s", 4)
+def test_chain_continues_from_any_parent(native: bool, toks: list[int], cut: int) -> None:
+    k = BlockKeyer("s", 4, native=native)
     full = k.keys(toks)
     b = min(cut // 4, len(full))
     if b:
@@ -46,24 +52,26 @@ def test_chain_continues_from_any_parent(toks: list[int], cut: int) -> None:
     assert k.extend(full[:b], toks) == full
 
 
+@paths
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(st.tuples(tokens, st.one_of(st.none(), st.integers(0, 2**64 - 1))), max_size=12),
     st.sampled_from([1, 4, 16, 100]),
 )
 def test_keys_many_equals_keys_and_reference(
-    chains: list[tuple[list[int], int | None]], bs: int
+    native: bool, chains: list[tuple[list[int], int | None]], bs: int
 ) -> None:
     """The agent's batched path (``keys_many``) is the single-chain path, chain by chain."""
-    k = BlockKeyer("s", bs)
+    k = BlockKeyer("s", bs, native=native)
     many = k.keys_many(chains)
     assert many == [k.keys(t, p) for t, p in chains]
     assert many == [reference_keys(k, t, p) for t, p in chains]
 
 
-def test_input_types_and_the_unkeyed_tail() -> None:
+@paths
+def test_input_types_and_the_unkeyed_tail(native: bool) -> None:
     """Lists, tuples and arrays key alike; tokens past the last full block are never read."""
-    k = BlockKeyer("s", 16)
+    k = BlockKeyer("s", 16, native=native)
     toks = list(range(5, 5 + 16 * 40))
     want = reference_keys(k, toks)
     assert k.keys(toks) == k.keys(tuple(toks)) == k.keys(np.array(toks, np.uint32)) == want
@@ -74,8 +82,9 @@ def test_input_types_and_the_unkeyed_tail() -> None:
             k.keys(bad)
 
 
-def test_partial_tail_is_never_keyed_and_keys_are_64_bit() -> None:
-    k = BlockKeyer("s", 16)
+@paths
+def test_partial_tail_is_never_keyed_and_keys_are_64_bit(native: bool) -> None:
+    k = BlockKeyer("s", 16, native=native)
     assert k.keys(list(range(15))) == []
     ks = k.keys(list(range(16 * 50 + 7)))
     assert len(ks) == 50 and len(set(ks)) == 50
@@ -89,9 +98,10 @@ def test_seed_and_block_size_change_every_key() -> None:
     assert set(a).isdisjoint(BlockKeyer("a", 32).keys(toks))
 
 
-def test_prefix_identity() -> None:
+@paths
+def test_prefix_identity(native: bool) -> None:
     """Equal keys at block i <=> equal token prefixes (no collisions on near-misses)."""
-    k = BlockKeyer("s", 16)
+    k = BlockKeyer("s", 16, native=native)
     base = list(range(1000, 1000 + 16 * 8))
     ka = k.keys(base)
     for pos in range(0, len(base), 7):
@@ -103,16 +113,18 @@ def test_prefix_identity() -> None:
         assert all(x != y for x, y in zip(ka[first:], kb[first:], strict=True))
 
 
+@paths
 @pytest.mark.parametrize("bad", [[-1] + [0] * 15, [2**31] + [0] * 15, ["x"] * 16, [1.5] * 16])
-def test_invalid_tokens_rejected(bad: list) -> None:
+def test_invalid_tokens_rejected(bad: list, native: bool) -> None:
     with pytest.raises(InvalidTokens):
-        BlockKeyer("s", 16).keys(bad)
+        BlockKeyer("s", 16, native=native).keys(bad)
 
 
-def test_bad_arguments() -> None:
+@paths
+def test_bad_arguments(native: bool) -> None:
     with pytest.raises(ValueError):
         BlockKeyer("s", 0)
-    k = BlockKeyer("s", 16)
+    k = BlockKeyer("s", 16, native=native)
     with pytest.raises(ValueError):
         k.keys(list(range(16)), parent=-1)
     with pytest.raises(ValueError):

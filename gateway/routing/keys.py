@@ -19,13 +19,16 @@ where a collision can only mis-route, never corrupt output. Because the state *i
 a chain continues from any parent key, which is what the agent needs (engine events carry
 the parent block) and what makes follow-up turns cheap (hash only the new blocks).
 
-The recurrence is evaluated in closed form with numpy (prefix sums of ``h_j * B**-j``), so
-there is no per-block Python loop: block hashes are one integer matrix product, the chain is
+Two implementations compute exactly the same keys. The compiled one
+(``gateway.routing._ckeys``, gateway/routing/_keys.c, built by ``pip install``) reads each id
+once, straight from the list or integer buffer, hashing as it reads: no copy into an array
+and no fixed cost beyond a C call. The fallback, used when the module did not build (or with
+``BlockKeyer(..., native=False)``), evaluates the recurrence in closed form with numpy
+(prefix sums of ``h_j * B**-j``): block hashes are one integer matrix product, the chain is
 one multiply, one prefix sum and one multiply per prime, in place; a chain of a few blocks
-is keyed in plain Python (numpy's fixed cost is larger). For an 8,192-token list a large
-share of the time is reading the Python ints into an array (``array('Q').fromlist``, the
-floor for any key function over a Python list); ``kvroute bench index`` reports the keys'
-cost against that floor (``keys_vs_ids_to_array``).
+is keyed in plain Python (numpy's fixed cost is larger). ``kvroute bench index --keys``
+compares them, and the keys' cost against reading the ids into an array
+(``keys_vs_ids_to_array``).
 """
 
 from __future__ import annotations
@@ -33,11 +36,20 @@ from __future__ import annotations
 import array
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from operator import mul
+from types import NotImplementedType
 from typing import overload
 
 import numpy as np
+
+#: the compiled key function: (tokens, parent, constants[, start, stop]) -> keys, or
+#: NotImplemented for a buffer it does not read (see gateway/routing/_keys.c)
+_native_keys: Callable[..., list[int] | NotImplementedType] | None
+try:
+    from gateway.routing._ckeys import keys as _native_keys
+except ImportError:  # not built (no C compiler): the numpy path
+    _native_keys = None
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -46,6 +58,7 @@ __all__ = [
     "InvalidTokens",
     "LazyKeys",
     "PrefixKeys",
+    "native_available",
 ]
 
 DEFAULT_BLOCK_SIZE = 16
@@ -57,6 +70,7 @@ _U32 = np.uint64(32)
 _M64 = 2**64 - 1
 #: chains of at most this many blocks are keyed in plain Python (faster than numpy's fixed cost)
 _SMALL_BLOCKS = 3
+_MAX = 2**62  # "to the end" for the compiled function's stop
 #: adapter start states remembered per keyer (a deployment serves a few dozen adapters)
 _MAX_ADAPTER_ROOTS = 4096
 
@@ -69,16 +83,29 @@ class InvalidTokens(ValueError):
     """Token ids outside ``[0, 2**31)`` or not integers."""
 
 
+def native_available() -> bool:
+    """Whether the compiled key function (``gateway.routing._ckeys``) was built."""
+    return _native_keys is not None
+
+
 class BlockKeyer:
     """Computes canonical block keys for one (deployment seed, block size) pair.
 
-    Instances hold precomputed power tables that grow on demand; they are cheap to share
-    within one thread (numpy does the work) and deterministic across processes and hosts.
+    Instances are cheap to share within one thread and deterministic across processes and
+    hosts. ``native``: use the compiled key function (None: if it was built; True: it must
+    have been, else ImportError; False: the numpy path, which tests compare it against).
+    The numpy path's power tables grow on demand.
     """
 
-    def __init__(self, seed: bytes | str, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(
+        self, seed: bytes | str, block_size: int = DEFAULT_BLOCK_SIZE, native: bool | None = None
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if native and _native_keys is None:
+            raise ImportError(
+                "gateway.routing._ckeys was not built (pip install needs a C compiler)"
+            )
         if isinstance(seed, str):
             seed = seed.encode("utf-8")
         self.block_size = block_size
@@ -105,11 +132,45 @@ class BlockKeyer:
         self._pow = np.ones((2, 1), dtype=np.uint64)
         self._inv = np.ones((2, 1), dtype=np.uint64)
         self._grow(1024)
+        #: the compiled function's constants (r interleaved per token: r[k][0], r[k][1])
+        self._native = _native_keys if native is not False else None
+        self._native_consts: tuple[object, ...] = ()
+        if self._native is not None:
+            self._native_consts = (
+                self._r.astype(np.uint64).tobytes(),
+                block_size,
+                *self._base,
+                *self._start,
+                InvalidTokens,
+            )
+
+    @property
+    def native(self) -> bool:
+        """Whether keys are computed by the compiled function."""
+        return self._native is not None
 
     # -- public API -------------------------------------------------------------------------
 
-    def keys(self, tokens: Tokens, parent: int | None = None) -> list[int]:
-        """Keys of every full block of ``tokens``, chained from ``parent`` (None: a root)."""
+    def keys(
+        self, tokens: Tokens, parent: int | None = None, start: int = 0, stop: int | None = None
+    ) -> list[int]:
+        """Keys of every full block of ``tokens[start:stop]`` (``0 <= start <= stop``),
+        chained from ``parent`` (None: a root). The compiled function reads the range in
+        place: no copy of the slice."""
+        if self._native is not None:
+            keys = (
+                self._native(tokens, parent, self._native_consts)
+                if start == 0 and stop is None
+                else self._native(
+                    tokens, parent, self._native_consts, start, _MAX if stop is None else stop
+                )
+            )
+            if keys is not NotImplemented:  # else a buffer of non-integers: numpy's path
+                return keys
+        if start or stop is not None:
+            if start < 0 or (stop is not None and stop < start):
+                raise ValueError("need 0 <= start <= stop")
+            tokens = tokens[start:stop]
         n = len(tokens) // self.block_size
         if n == 0:
             return []
@@ -119,7 +180,8 @@ class BlockKeyer:
         return self._chain(self._block_hashes(blocks), parent).tolist()
 
     def keys_many(self, chains: Sequence[tuple[Sequence[int], int | None]]) -> list[list[int]]:
-        """``[self.keys(tokens, parent) for tokens, parent in chains]`` in one numpy pass.
+        """``[self.keys(tokens, parent) for tokens, parent in chains]``, on the numpy path
+        in one numpy pass.
 
         An engine event batch holds many short chains (one store per request per step) and
         each ``keys`` call pays ~20 µs of numpy overhead whatever its length. With global
@@ -127,9 +189,8 @@ class BlockKeyer:
         sum of ``h_G * B**-G``: ``K_g = S * B**(g - g0 + 1) + B**g * (C_g - C_{g0-1})``
         (mod p), which is ``_chain`` with the prefix sums shared across chains.
         """
-        if len(chains) == 1:
-            tokens, parent = chains[0]
-            return [self.keys(tokens, parent)]
+        if len(chains) == 1 or self._native is not None:  # no fixed cost to share
+            return [self.keys(tokens, parent) for tokens, parent in chains]
         bs = self.block_size
         counts = [len(t) // bs for t, _ in chains]
         total = sum(counts)
@@ -180,7 +241,7 @@ class BlockKeyer:
         if start > len(tokens):
             raise ValueError("prev_keys cover more blocks than tokens has")
         parent = prev_keys[-1] if done else root
-        tail = self.keys(tokens[start:], parent)
+        tail = self.keys(tokens, parent, start)
         return [*prev_keys, *tail] if tail else list(prev_keys)
 
     def root_state(self) -> int:
@@ -364,10 +425,10 @@ class LazyKeys(Sequence[int]):
     A routing decision needs keys only as far as the index's match can reach: one key shows
     that a novel prompt matches nothing, a prompt under a cached system prompt needs the
     system prompt's keys and one more. Speculation and :class:`PrefixKeys` need them all, but
-    after the decision. ``upto(k)`` extends the chain (``BlockKeyer.keys`` from the last
-    computed key, so each chunk is one vectorised call and the keys are exactly the eager
+    after the decision. ``upto(k)`` extends the chain (``BlockKeyer.keys`` of the next range
+    of ids, read in place, from the last computed key, so the keys are exactly the eager
     ones) to at least ``k`` keys and at least twice as many as before, so reading every key
-    costs a few calls however it is read. ``len`` is the number of full blocks; indexing,
+    costs a few calls however it is read (one fixed cost each on the numpy path). ``len`` is the number of full blocks; indexing,
     slicing and iteration compute what they need. One thread only.
     """
 
@@ -405,7 +466,7 @@ class LazyKeys(Sequence[int]):
             end = min(self._n, max(k, 2 * done))
             bs = self.keyer.block_size
             parent = keys[-1] if done else self.root
-            keys.extend(self.keyer.keys(self.tokens[done * bs : end * bs], parent))
+            keys.extend(self.keyer.keys(self.tokens, parent, done * bs, end * bs))
             if end == self._n:  # complete: a remembered entry need not hold the ids too
                 self.tokens = ()
         return keys
@@ -443,8 +504,8 @@ class PrefixKeys:
     A chat's ids start with a prefix the tokenizer remembered from an earlier turn
     (:class:`gateway.tokenization.ChatIds`); that prefix is one tuple object for as long as it
     is remembered, so its keys are found by identity (no hashing of 8,000 ids) and the rest
-    is chained on with :meth:`BlockKeyer.extend`. For an 8,000-token chat: ~25 µs instead of
-    ~200 µs. Entries hold their prefix (so an identity is never reused while looked up) and
+    is chained on with :meth:`BlockKeyer.extend`. For an 8,000-token chat: ~15 µs instead of
+    ~30-50 µs with the compiled keys (numpy: ~50 µs instead of ~150-200). Entries hold their prefix (so an identity is never reused while looked up) and
     are evicted least recently used beyond ``capacity_tokens`` prefix tokens. One event-loop
     thread only (no lock)."""
 

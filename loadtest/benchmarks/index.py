@@ -27,6 +27,9 @@ with engine load reports on every worker. P1 is token ids -> chosen worker, keys
   their decisions must agree (``sane``);
 * ``decide_p50_us``: lookup + scoring alone (eager keys precomputed), the cold prompts'
   decision; ``keys_p50_us``/``keys_followup_p50_us``: eager keys alone;
+* ``keys_by_path_p50_us``: eager cold keys by each key function, the compiled one and the
+  numpy fallback, on every cold prompt in alternating order (``--keys`` chooses which one
+  the routed prompts use);
 * ``speculate_p50_us``: the speculative insert that follows a real decision (off the
   decision's latency);
 * ``apply_events_per_s``: canonical block events (stores of 16 blocks, removes in 16-key
@@ -75,7 +78,7 @@ from gateway.contract.wire import (
     encode_entry,
 )
 from gateway.routing.index import ShadowIndex
-from gateway.routing.keys import BlockKeyer, LazyKeys, PrefixKeys
+from gateway.routing.keys import BlockKeyer, LazyKeys, PrefixKeys, native_available
 from gateway.routing.policy import make_policy
 from gateway.routing.router import Router
 
@@ -114,6 +117,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a policy parameter (YAML value), e.g. --set policy_params.step_ties=1",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--keys",
+        choices=["native", "numpy"],
+        default="native" if native_available() else "numpy",
+        help="key function the routed prompts use: the compiled one (default when built) or "
+        "the numpy fallback; both are timed on every cold prompt either way (keys_by_path)",
+    )
 
 
 def _policy_params(pairs: list[str]) -> dict[str, Any]:
@@ -204,7 +214,12 @@ def _apply(applier: StreamApplier, entries: list[tuple[str, str, bytes]], desc: 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    keyer = BlockKeyer("bench", BS)
+    if args.keys == "native" and not native_available():
+        raise SystemExit("--keys native: gateway.routing._ckeys was not built (pip install -e .)")
+    keyer = BlockKeyer("bench", BS, native=args.keys == "native")
+    # both key functions, timed on every cold prompt (alternating), whichever routes
+    by_path = {"native": BlockKeyer("bench", BS, native=True)} if native_available() else {}
+    by_path["numpy"] = BlockKeyer("bench", BS, native=False)
     fleet = _Fleet(args, keyer, rng)
     workers = fleet.workers
     # removals: evict the tails of a quarter of the conversations, tail first, 16 per run
@@ -274,7 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for k in (
             "route", "rest", "e_route", "decide", "keys", "dict", "match", "spec", "ids",
             "f_route", "f_rest", "f_e_route", "f_keys", "f_decide",
-            "kind0", "kind1", "kind2",
+            "kind0", "kind1", "kind2", *(f"keys_{p}" for p in by_path),
         )
     }  # fmt: skip
     keyed: list[int] = []  # blocks keyed before a cold decision
@@ -325,6 +340,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         buf = array.array("Q")
         buf.fromlist(ids)
         t6 = time.perf_counter()
+        order = list(by_path.items())
+        for path, path_keyer in order if q % 2 else order[::-1]:
+            ids_p = ids.copy()
+            t7 = time.perf_counter()
+            keys_p = path_keyer.keys(ids_p)
+            t8 = time.perf_counter()
+            t[f"keys_{path}"].append((t8 - t7) * 1e6)
+            sane &= keys_p == keys
+            del keys_p, ids_p
         router.tick(now)
         t["dict"].append((t3 - t2) * 1e6)
         t["match"].append((t4 - t3) * 1e6)
@@ -425,6 +449,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decide_followup_p50_us": round(med["f_decide"], 1),
         "keys_p50_us": round(med["keys"], 1),
         "keys_followup_p50_us": round(med["f_keys"], 1),
+        "keys_function": args.keys,
+        "keys_by_path_p50_us": {p: round(med[f"keys_{p}"], 1) for p in by_path},
+        "keys_by_path_vs_ids_to_array": {
+            p: round(med[f"keys_{p}"] / med["ids"], 3) for p in by_path
+        },
         "match_p50_us": round(med["match"], 1),
         "speculate_p50_us": round(med["spec"], 1),
         "apply_events_per_s": round(apply_rate),
@@ -471,6 +500,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
          "target": "-", "ok": "-"},
         {"metric": "  decision over eager keys, cold / follow-up p50 (us)",
          "value": f"{result['decide_p50_us']} / {result['decide_followup_p50_us']}",
+         "target": "-", "ok": "-"},
+        {"metric": "  eager cold keys by function p50 (us): " + " / ".join(by_path),
+         "value": " / ".join(str(v) for v in result["keys_by_path_p50_us"].values()),
          "target": "-", "ok": "-"},
         {"metric": "  baseline: ids -> array p50 (us)",
          "value": result["baseline_ids_to_array_p50_us"], "target": "-", "ok": "-"},
