@@ -75,9 +75,6 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gateway.tokenization.tokenizer import serial_batch_encodes
-
-    serial_batch_encodes(os.environ)  # before any encode; the processes of --workers inherit it
     try:
         cfg = config_from_args(args)
         _request_log_path(cfg, args.worker_index)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,23 +49,6 @@ from gateway.tokenization.types import (
 
 # Chats whose uncached text is at least this long are encoded on a worker thread.
 DEFAULT_THREAD_THRESHOLD_CHARS = 8_192
-#: ``tokenizers``' switch for its rayon thread pool (read by every batch encode)
-PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
-
-
-def serial_batch_encodes(environ: MutableMapping[str, str]) -> bool:
-    """Turn ``tokenizers``' rayon pool off for this process unless the operator set
-    ``TOKENIZERS_PARALLELISM``; True if this call turned it off.
-
-    Why: a chat's turn is a few short pieces, encoded in one ``encode_batch_fast`` per request;
-    with the pool on, its threads wake and spin on every such call, costing CPU on other cores
-    for nothing (0.77-0.90x the gateway's CPU per 8,000-token turn with it off,
-    docs/benchmarks.md). Long encodes get their concurrency from the gateway's own encode
-    threads (``tokenize_thread_chars``), not from rayon."""
-    if PARALLELISM_ENV in environ:
-        return False
-    environ[PARALLELISM_ENV] = "false"
-    return True
 
 
 def bundled_test_tokenizer() -> Path:
