@@ -776,6 +776,99 @@ def test_vllm_message_conversion() -> None:
     assert openai[4]["content"] == "r1\nr2"  # tool results stay text
 
 
+_ROLES = st.sampled_from(["system", "user", "assistant", "tool", "developer", "ipython", "a b"])
+_VALUES = st.one_of(
+    st.none(), st.integers(), st.text(max_size=5), st.lists(st.text(max_size=3), max_size=2)
+)
+_MESSAGES = st.lists(
+    st.one_of(
+        st.fixed_dictionaries({"role": _ROLES, "content": st.text(max_size=5)}),
+        st.fixed_dictionaries({"role": st.one_of(_ROLES, _VALUES), "content": _VALUES}),
+        st.dictionaries(
+            st.sampled_from(["role", "content", "name", "tool_call_id", "reasoning", "x"]),
+            st.one_of(_ROLES, _VALUES),
+            max_size=4,
+        ),
+        st.text(max_size=2),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages=_MESSAGES, fmt=st.sampled_from(["string", "openai"]))
+def test_prepare_messages_fast_path_is_the_general_path(messages: list[Any], fmt: Any) -> None:
+    """The inline conversion of ``{"role", "content"}`` messages gives what the general
+    per-message path gives, and the same error where that path raises."""
+    from gateway.tokenization.messages import _prepare_message
+
+    def general() -> list[dict[str, Any]]:
+        return [_prepare_message(m, i, fmt) for i, m in enumerate(messages)]
+
+    try:
+        expected = general()
+    except TokenizationError as exc:
+        with pytest.raises(TokenizationError, match=re.escape(str(exc))):
+            prepare_messages(messages, fmt)
+        return
+    assert prepare_messages(messages, fmt) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    messages=st.lists(
+        st.dictionaries(
+            st.sampled_from(["role", "content", "reasoning_content", "thinking", "reasoning"]),
+            st.one_of(st.none(), st.text(max_size=3)),
+        ),
+        max_size=4,
+    )
+)
+def test_reasoning_fields_aliased_as_transformers_does(messages: list[dict[str, Any]]) -> None:
+    """Reference model: the first non-null of reasoning_content, thinking, reasoning is copied
+    to ``thinking`` (first key unless present) and ``reasoning_content`` (last)."""
+    from gateway.tokenization.template import alias_reasoning_fields
+
+    expected = []
+    for m in messages:
+        found = [
+            m[k] for k in ("reasoning_content", "thinking", "reasoning") if m.get(k) is not None
+        ]
+        expected.append({"thinking": found[0], **m, "reasoning_content": found[0]} if found else m)
+    got = alias_reasoning_fields(messages)
+    assert got == expected
+    assert [list(m) for m in got] == [list(m) for m in expected]  # key order too
+
+
+def test_conversation_keys_follow_message_prefixes() -> None:
+    """Equal message prefixes share a key, whatever their values' types; a change in any
+    field of any message changes that prefix's key and every later one."""
+    from gateway.tokenization.cache import conversation_keys
+
+    parts = [{"type": "text", "text": "a"}]
+    chat = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f"}}]},
+        {"role": "user", "content": "u"},
+    ]
+    same = json.loads(json.dumps(chat))
+    assert conversation_keys("t", chat) == conversation_keys("t", same)
+    keys = conversation_keys("t", chat)
+    assert len(set(keys)) == 4
+    for i, change in [(0, ("content", "s2")), (1, ("content", [{"type": "text", "text": "b"}]))]:
+        other = json.loads(json.dumps(chat))
+        other[i][change[0]] = change[1]
+        changed = conversation_keys("t", other)
+        assert changed[:i] == keys[:i]
+        assert all(a != b for a, b in zip(changed[i:], keys[i:], strict=True))
+    other = json.loads(json.dumps(chat))
+    other[2]["tool_calls"][0]["function"]["name"] = "g"
+    assert conversation_keys("t", other)[2:] != keys[2:]
+    assert conversation_keys("other template", chat)[0] != keys[0]
+
+
 def test_tools_are_shaped_like_vllm_dumps_them() -> None:
     tool = {"function": {"parameters": {"type": "object"}, "name": "f", "strict": True}}
     assert json.dumps(prepare_tools([tool])) == json.dumps(
@@ -980,3 +1073,9 @@ def test_benchmark_smoke() -> None:
     assert result["ok"] and result["ids_identical"] and result["conversation_tokens"] >= 1500
     assert 0 < result["tokenize_followup_ratio"] < 1
     assert result["table"][0]["measure"].startswith("cold")
+    # the gateway bench's shape: one long system prompt, then many short turns
+    args = ["--tokens", "1500", "--repeats", "2", "--messages", "9", "--reply-words", "8"]
+    shaped = tokenize.run(parser.parse_args([*args, "--user-words", "12"]))
+    assert shaped["ok"] and shaped["ids_identical"] and shaped["messages"] == 9
+    assert 1500 <= shaped["conversation_tokens"] < 1500 + 400  # grown in 200-word steps
+    assert shaped["followup_new_tokens"] < 60

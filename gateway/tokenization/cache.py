@@ -111,8 +111,12 @@ def conversation_keys(seed: str, messages: Sequence[dict[str, Any]]) -> list[int
     same conversation looks for the ids of an earlier one."""
     key, keys = hash(seed), []
     for message in messages:
-        fields = tuple((k, v if isinstance(v, str) else repr(v)) for k, v in message.items())
-        key = hash((key, fields))
+        fields = tuple(message.items())
+        try:  # text fields (the common message) hash as they are
+            key = hash((key, fields))
+        except TypeError:  # lists and dicts (content parts, tool calls) by their repr
+            fields = tuple((k, v if isinstance(v, str) else repr(v)) for k, v in fields)
+            key = hash((key, fields))
         keys.append(key)
     return keys
 

@@ -72,7 +72,20 @@ def prepare_messages(
     """
     if not isinstance(messages, list) or not messages:
         raise TokenizationError("messages must be a non-empty list")
-    out = [_prepare_message(m, i, content_format) for i, m in enumerate(messages)]
+    wrap = content_format == "openai"
+    out = []
+    for i, m in enumerate(messages):
+        # The common message, ``{"role": <standard role>, "content": <text>}`` and nothing
+        # else, converted inline: what the general path below makes of it, at a fraction of
+        # its cost (a long chat is hundreds of these on every turn).
+        if type(m) is dict and len(m) == 2:
+            role, content = m.get("role"), m.get("content")
+            if type(content) is str and type(role) is str and role in STANDARD_ROLES:
+                if wrap and role != "tool":
+                    content = [{"type": "text", "text": content}]
+                out.append({"role": role, "content": content})
+                continue
+        out.append(_prepare_message(m, i, content_format))
     return out
 
 

@@ -49,6 +49,7 @@ RENDER_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_
 # Names under which a message's reasoning is passed; transformers copies the first one found to
 # ``thinking`` and ``reasoning_content``.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_REASONING_KEYS = frozenset(_REASONING_FIELDS)
 
 
 def _raise_exception(message: str) -> None:
@@ -166,6 +167,9 @@ def alias_reasoning_fields(messages: list[dict[str, Any]]) -> list[dict[str, Any
     """transformers copies a message's reasoning to ``thinking`` and ``reasoning_content``."""
     out = []
     for message in messages:
+        if _REASONING_KEYS.isdisjoint(message):  # the common case: nothing to copy
+            out.append(message)
+            continue
         reasoning = next(
             (message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None
         )

@@ -452,7 +452,9 @@ class Tokenizer:
                 offset += len(item)
         remembered = None
         if plan.key is not None and cut[1] > len(plan.head):
-            remembered = tuple(out[: cut[1]])
+            # the head is a tuple already: copy only what follows it (a long chat's ids
+            # are copied once here, not twice through a list slice)
+            remembered = plan.head + tuple(out[len(plan.head) : cut[1]])
             self._cache.put_prefix(plan.key, Prefix(plan.text, cut[0], remembered))
         return ChatIds(out, plan.head, remembered)
 

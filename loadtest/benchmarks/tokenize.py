@@ -63,6 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--reply-words", type=int, default=200, help="assistant reply length")
     parser.add_argument("--user-words", type=int, default=60, help="follow-up user turn length")
+    parser.add_argument(
+        "--messages",
+        type=int,
+        default=0,
+        help="shape the chat as `bench gateway` does: this many messages, a system prompt "
+        "holding most of the tokens, then short turns of --user-words and --reply-words "
+        "(0: long turns after a 400-word system prompt)",
+    )
     parser.add_argument("--seed", type=int, default=7)
 
 
@@ -77,15 +85,51 @@ def _paragraph(rng: random.Random, words: int) -> str:
 
 
 def conversation(
-    tok: Tokenizer, tokens: int, seed: int, reply_words: int, user_words: int
+    tok: Tokenizer,
+    tokens: int,
+    seed: int,
+    reply_words: int,
+    user_words: int,
+    messages_wanted: int = 0,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(a conversation of about ``tokens`` tokens, its next request: the reply and a new turn)."""
     rng = random.Random(seed)
+    if messages_wanted:
+        return _many_turns(tok, tokens, rng, messages_wanted, reply_words, user_words)
     messages: list[dict[str, Any]] = [{"role": "system", "content": _paragraph(rng, 400)}]
     while len(tok.encode_chat(messages)) < tokens:
         messages.append({"role": "user", "content": _paragraph(rng, rng.randint(40, 200))})
         messages.append({"role": "assistant", "content": _paragraph(rng, rng.randint(80, 320))})
     messages.append({"role": "user", "content": _paragraph(rng, user_words)})
+    followup = [
+        *messages,
+        {"role": "assistant", "content": _paragraph(rng, reply_words)},
+        {"role": "user", "content": _paragraph(rng, user_words)},
+    ]
+    return messages, followup
+
+
+def _many_turns(
+    tok: Tokenizer,
+    tokens: int,
+    rng: random.Random,
+    n: int,
+    reply_words: int,
+    user_words: int,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A system prompt grown to about ``tokens`` tokens in all, then ``n - 1`` messages of
+    short turns ending with a user message: the shape of `bench gateway`'s chats, where the
+    render of every message on every turn is a cost the long-turn chat does not show."""
+    turns: list[dict[str, Any]] = []
+    for i in range(max(0, n - 1)):
+        last_is_user = i % 2 == (n - 2) % 2
+        words = user_words if last_is_user else reply_words
+        role = "user" if last_is_user else "assistant"
+        turns.append({"role": role, "content": _paragraph(rng, words)})
+    system = _paragraph(rng, 100)
+    while len(tok.encode_chat([{"role": "system", "content": system}, *turns])) < tokens:
+        system += " " + _paragraph(rng, 200)
+    messages = [{"role": "system", "content": system}, *turns]
     followup = [
         *messages,
         {"role": "assistant", "content": _paragraph(rng, reply_words)},
@@ -109,7 +153,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path = bundled_test_tokenizer()
     probe = Tokenizer.load(path, args.template)
     messages, followup = conversation(
-        probe, args.tokens, args.seed, args.reply_words, args.user_words
+        probe,
+        args.tokens,
+        args.seed,
+        args.reply_words,
+        args.user_words,
+        getattr(args, "messages", 0),
     )
     expected = probe.encode(probe.render_chat(messages), add_special_tokens=False)
     expected_next = probe.encode(probe.render_chat(followup), add_special_tokens=False)
