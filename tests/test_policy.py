@@ -370,6 +370,8 @@ def test_a_sustained_hot_prefix_starts_a_second_holder_at_its_second_request() -
 def test_step_ties_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="step_ties"):
         make_policy("ttft", step_ties=-1)
+    with pytest.raises(ValueError, match="hot_step_ties"):
+        make_policy("ttft", hot_step_ties=-1)
 
 
 def test_a_conversations_own_prefix_is_never_replicated() -> None:

@@ -279,6 +279,22 @@ def test_a_pair_of_siblings_of_a_modest_prefix_stays_together() -> None:
     assert got[1].worker == got[0].worker and got[1].reason == "cache"
 
 
+def test_requests_arriving_within_one_prefill_count_as_demand() -> None:
+    """The cost model may think a prefill cheap (uncalibrated, it says 48 ms for 2,000
+    tokens, too little for 20 req/s to warrant a second holder), but while no holder has
+    finished computing the prefix, every request seen since it appeared arrived within one
+    prefill: the third such request takes a second worker cold."""
+    r = router(seed=12)
+    prefix = ids(14, 2000)
+    reasons = []
+    for i in range(3):
+        toks = prefix + ids(140 + i, 64)
+        d = r.route(KEYER.keys(toks), len(toks), now=i * 0.05)
+        r.started(d, len(toks), now=i * 0.05)
+        reasons.append(d.reason)
+    assert reasons == ["cold", "cache", "replicate"]
+
+
 def test_no_cold_onset_once_the_prefix_is_computed() -> None:
     """The holder has its prefix (the first request got its first token): a second request
     is a cache hit there, not a cold spill (a conversation's next turn stays put)."""
@@ -290,6 +306,41 @@ def test_no_cold_onset_once_the_prefix_is_computed() -> None:
     toks = prefix + ids(101, 64)
     d1 = r.route(KEYER.keys(toks), len(toks), now=1.31)
     assert (d1.worker, d1.reason) == (d0.worker, "cache")
+
+
+def test_no_cold_onset_when_the_holder_is_busy_with_other_work() -> None:
+    """The holder has computed the prefix (the engine reported it) and is busy with an
+    unrelated long prefill: its queue is not this prefix's, so no onset spill; the usual
+    cost decides (a cache hit behind the queue beats a cold prefill here)."""
+    r = router(seed=10)
+    prefix = ids(12, 6000)
+    r.index.stored("w0", None, KEYER.keys(prefix))
+    r.loads.started("w0", 8000, 0.0)  # someone else's cold prompt
+    toks = prefix + ids(120, 64)
+    d = r.route(KEYER.keys(toks), len(toks), now=0.01)
+    assert (d.worker, d.reason) == ("w0", "cache")
+
+
+def test_a_busy_worker_with_only_decodes_is_warmed_beside_a_queued_holder() -> None:
+    """No worker is idle: the holder has a 6,000-token prefill queued, the other only four
+    sequences decoding. The other is the lighter one (a shorter predicted wait, though more
+    sequences run there), so the hot prefix's new holder is warmed there."""
+    r = Router(make_policy("ttft"), BS, rng=random.Random(11))
+    prefix = ids(13, 6000)
+    pkeys = KEYER.keys(prefix)
+    for w in ("a", "b"):
+        r.add_worker(w)
+        r.index.add_worker(w)
+    r.index.stored("a", None, pkeys)
+    r.loads.started("a", 6000, 0.0)  # someone else's long prompt, queued
+    for _ in range(4):  # b: four sequences past their first token
+        r.loads.first_token(r.loads.started("b", 100, 0.0))
+    for i in range(40):  # 20 req/s of the prefix: more holders warranted
+        r.ctx.popularity.observe(pkeys[-1], i * 0.05)
+    toks = prefix + ids(130, 64)
+    d = r.route(KEYER.keys(toks), len(toks), now=2.0)
+    assert (d.worker, d.reason) == ("a", "cache")
+    assert [i.worker for i in r.ctx.warmups.drain()] == ["b"]
 
 
 def test_busy_holders_of_a_hot_prefix_take_turns() -> None:

@@ -67,6 +67,7 @@ those of a scan over every worker in the same order (tests/test_routing_scale.py
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from itertools import islice, repeat
 
@@ -405,10 +406,18 @@ class PredictedTTFT(Policy):
             return None
         if ctx.computed is not None and ctx.computed(pick, key):  # the prefix is there
             return None
-        rate = ctx.popularity.rate(key, ctx.now, plus=1.0)
-        if holders_needed(rate, prefill, len(pool.workers), self.replication) <= have:
-            return None
+        pop = ctx.popularity
+        n = len(pool.workers)
+        need = holders_needed(pop.rate(key, ctx.now, plus=1.0), prefill, n, self.replication)
         held = pool.masks[0][1]
+        if need <= have and self._none_computed(pool, ctx, held, key):
+            # every holder is still computing the prefix, so its prefill has lasted at
+            # least since the prefix was first seen: the requests seen since (and this one)
+            # arrived within one prefill, each a holder's worth of demand, whatever the cost
+            # model (uncalibrated at first) says the prefill costs
+            need = min(n, math.ceil(pop.weight(key, ctx.now) + 1.0 - 1e-9))
+        if need <= have:
+            return None
         free = pool.idle_bits & ~held
         target: str | None
         if free:
@@ -428,18 +437,30 @@ class PredictedTTFT(Policy):
         return target if cold <= ttft else None
 
     @staticmethod
+    def _none_computed(pool: PoolView, ctx: PolicyContext, held: int, key: int) -> bool:
+        """Whether no holder in ``held`` has the prefix ending with ``key`` computed (the
+        index's matches are all speculative); False when unknown or too many to ask."""
+        computed = ctx.computed
+        if computed is None or held.bit_count() > _SPILL_SCAN:
+            return False
+        return not any(computed(w, key) for w in pool.loads.names(held))
+
+    @staticmethod
     def _newcomer(pool: PoolView, ctx: PolicyContext, pick: str, taken: set[str]) -> str | None:
         """The worker to become a new holder: an idle non-holder at random, else the least
-        loaded busy non-holder if it is lighter than ``pick``."""
+        loaded busy non-holder if it is lighter than ``pick`` (a shorter predicted wait:
+        a few decoding sequences weigh less than a long prefill queued)."""
         idle = [w for w in pool.idle() if w not in taken]
         if idle:
             return ctx.rng.choice(idle)
+        cost = ctx.cost
         busy = pool.view(pick)
-        mine = (busy.running, busy.queued_prefill_tokens)
+        mine = cost.ttft_ms(busy.queued_prefill_tokens, 1, busy.running, busy.kv_usage)
         for _, w in pool.busy_by_key():
             if w not in taken:
                 v = pool.view(w)
-                return w if (v.running, v.queued_prefill_tokens) < mine else None
+                wait = cost.ttft_ms(v.queued_prefill_tokens, 1, v.running, v.kv_usage)
+                return w if wait < mine else None
         return None
 
 
