@@ -15,8 +15,8 @@ workers never used), never to "worker 0".
 
 ``step_ties`` (off by default) widens the near-ties among busy workers with that match by
 that many decode steps; ``hot_step_ties`` (2) does the same only for a prefix replicated for
-its demand (held by several workers, ``holders_needed`` >= 2), whose requests are alike. A busy engine's next step starts anywhere within its current one,
-which no report shows; when every request is alike (one hot prefix, same-size questions) a
+its demand (held by several workers, ``holders_needed`` >= 2), whose requests are alike.
+A busy engine's next step starts anywhere within its current one, which no report shows; when every request is alike (one hot prefix, same-size questions) a
 few milliseconds of predicted queue are that phase, not load, and taking turns queues 3-4%
 less than choosing by them (offline simulator, 2 and 8 workers). With requests of
 mixed sizes (multi-turn chat) the same differences are real queued work: ``step_ties: 1``
@@ -42,8 +42,8 @@ only speculative), a request that would wait there goes cold to a non-holder (re
 ``replicate``) if it is predicted no slower there and the demand counting it warrants
 another holder: round robin spreads the first cold prefills over the workers at once, and
 waiting a warm-up's worth before starting the second holder made kvroute's cold start
-slower than round robin's. A conversation's own prefix (a low rate) never replicates; one system prompt on every
-request at a high rate ends up on every worker.
+slower than round robin's. A conversation's own prefix (a low rate) never replicates; one
+system prompt on every request at a high rate ends up on every worker.
 
 LoRA adapters: a request for an adapter is keyed on the adapter's chain (its matches are
 blocks computed with that adapter only), and a worker without the adapter loaded adds
@@ -330,8 +330,8 @@ class PredictedTTFT(Policy):
         With ``warmup`` the new holder is asked for in ``ctx.warmups`` and None is returned
         (the request goes to ``pick``); without, the non-holder is returned to receive this
         request cold, and only while ``pick`` is busy. Either way, while ``pick`` is still
-        prefilling the prefix (``_spill``) the request itself goes to an idle non-holder
-        when that is no slower (``ttft``: ``pick``'s prediction)."""
+        prefilling the prefix (``_spill``) the request itself goes to a non-holder when
+        that is no slower (``ttft``: ``pick``'s prediction)."""
         if not pool.levels:
             return None
         depth, holders = pool.levels[0]
@@ -392,14 +392,15 @@ class PredictedTTFT(Policy):
         key: int,
         have: int,
     ) -> str | None:
-        """An idle non-holder to send this request to cold, at the onset of a hot prefix.
+        """A non-holder to send this request to cold, at the onset of a hot prefix.
 
-        While the prefix's holder is still prefilling it (its queue holds at least the
-        prefix), a request arriving there waits for that prefill, then its own step: no
-        faster than a cold prefill on an idle worker, which round robin would have started
-        at once. If the demand counting this request warrants another holder, the request
-        goes cold to an idle non-holder when its predicted TTFT there is no worse than at
-        ``pick``: that request loses nothing and the new holder starts a warm-up's
+        While the prefix's holder is still prefilling it (the index's match is speculative
+        and its queue holds at least the prefix), a request arriving there waits for that
+        prefill, then its own step: no faster than a cold prefill on an idle worker, which
+        round robin would have started at once. If the demand counting this request
+        warrants another holder, the request goes cold to a non-holder (an idle one at
+        random, else the least loaded busy one) when its predicted TTFT there is no worse
+        than at ``pick``: that request loses nothing and the new holder starts a warm-up's
         worth earlier. A burst of siblings of a short prefix (demand for one holder) and a
         conversation's next turn (its prefix already computed) stay where they are."""
         if pool.view(pick).queued_prefill_tokens < tokens:
@@ -407,15 +408,15 @@ class PredictedTTFT(Policy):
         if ctx.computed is not None and ctx.computed(pick, key):  # the prefix is there
             return None
         pop = ctx.popularity
-        n = len(pool.workers)
-        need = holders_needed(pop.rate(key, ctx.now, plus=1.0), prefill, n, self.replication)
+        size = len(pool.workers)
+        need = holders_needed(pop.rate(key, ctx.now, plus=1.0), prefill, size, self.replication)
         held = pool.masks[0][1]
         if need <= have and self._none_computed(pool, ctx, held, key):
             # every holder is still computing the prefix, so its prefill has lasted at
             # least since the prefix was first seen: the requests seen since (and this one)
             # arrived within one prefill, each a holder's worth of demand, whatever the cost
             # model (uncalibrated at first) says the prefill costs
-            need = min(n, math.ceil(pop.weight(key, ctx.now) + 1.0 - 1e-9))
+            need = min(size, math.ceil(pop.weight(key, ctx.now) + 1.0 - 1e-9))
         if need <= have:
             return None
         free = pool.idle_bits & ~held
