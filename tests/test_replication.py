@@ -102,6 +102,16 @@ def test_a_steady_rate_is_measured_from_the_first_second() -> None:
     assert pop.rate(1, 61.0) < 20.0 / 7
 
 
+def test_rate_can_count_the_request_being_routed() -> None:
+    """``plus`` adds requests arriving now: a prefix seen once before counts two."""
+    pop = PrefixPopularity(half_life=20.0, min_window=0.25)
+    assert pop.rate(1, 0.0) == 0.0
+    span = -math.expm1(-math.log(2) / 20.0 * 0.25) / (math.log(2) / 20.0)
+    assert pop.rate(1, 0.0, plus=1.0) == pytest.approx(1.0 / span)
+    pop.observe(1, 0.0)
+    assert pop.rate(1, 0.1, plus=1.0) == pytest.approx(pop.rate(1, 0.1) * 2, rel=0.01)
+
+
 # -- the warm-up book -------------------------------------------------------------------------
 
 
@@ -168,10 +178,17 @@ def hot_stream(r: Router, n: int, gap: float, t0: float = 0.0, base: int = 7) ->
 
 
 def test_a_hot_prefix_is_warmed_not_spilled() -> None:
-    """20 req/s of a 6,000-token prefix on 4 workers warrant 3 holders: two warm-ups are
-    asked for (one per new holder), no request is sent anywhere cold to replicate, and the
-    warming workers are speculated as holders (requests queue behind the warm-up)."""
+    """20 req/s of a 6,000-token prefix on 4 workers warrant 3 holders: once the first
+    holder has computed the prefix, two warm-ups are asked for (one per new holder), no
+    request is sent anywhere cold to replicate, and the warming workers are speculated as
+    holders (requests queue behind the warm-up)."""
     r = router(seed=1)
+    prefix = ids(7, 6000)
+    first = prefix + ids(999, 64)
+    d = r.route(KEYER.keys(first), len(first), now=-1.0)
+    assert d.predicted_ttft_ms is not None
+    done = -1.0 + d.predicted_ttft_ms / 1000.0  # as predicted: the calibration stays at 1
+    r.first_token(r.started(d, len(first), now=-1.0), now=done)  # the prefix is computed
     reasons = hot_stream(r, 30, 0.05)
     assert "replicate" not in reasons
     book = r.ctx.warmups
@@ -211,6 +228,145 @@ def test_a_warmed_worker_takes_traffic_once_it_holds_the_prefix() -> None:
         assert d.matched_tokens == 6000
         got[d.worker] += 1
     assert set(got) - {"w0"}, got  # the warmed workers serve the prefix from cache
+
+
+def test_the_onset_goes_cold_to_idle_workers_while_the_holder_computes() -> None:
+    """A hot prefix's second request arrives while its only holder is still prefilling
+    it: waiting there is no faster than a cold prefill on an idle worker, and the demand
+    (counting this request) warrants another holder, so it goes there cold at once, as
+    round robin would send it, instead of queueing behind the first prefill. Each onset
+    request takes a new worker, never more than the workers there are."""
+    r = router(seed=5)
+    reasons = hot_stream(r, 4, 0.05)
+    assert reasons[:2] == ["cold", "replicate"]
+    holders = r.index.match_levels(KEYER.keys(ids(7, 6000)))
+    assert holders and len(holders[0][1]) == len({*holders[0][1]}) >= 2
+    assert r.ctx.warmups.asked == 0
+
+
+def test_the_onset_waits_when_the_cold_worker_would_be_slower() -> None:
+    """The only non-holder is itself busy with a long prefill: the cold request there would
+    wait for it, so the request queues behind the holder's prefill instead."""
+    r = Router(make_policy("ttft"), BS, rng=random.Random(6))
+    for w in ("a", "b"):
+        r.add_worker(w)
+        r.index.add_worker(w)
+    prefix = ids(8, 6000)
+    other = ids(80, 8000)
+    d = r.route(KEYER.keys(other), len(other), now=0.0)
+    r.started(d, len(other), now=0.0)
+    toks = prefix + ids(81, 64)
+    d0 = r.route(KEYER.keys(toks), len(toks), now=0.01)
+    r.started(d0, len(toks), now=0.01)
+    assert d0.worker != d.worker
+    toks = prefix + ids(82, 64)
+    d1 = r.route(KEYER.keys(toks), len(toks), now=0.02)
+    assert (d1.worker, d1.reason, d1.matched_tokens) == (d0.worker, "cache", 6000)
+
+
+def test_a_pair_of_siblings_of_a_modest_prefix_stays_together() -> None:
+    """A 2,000-token prefix's second request during its first prefill: a cold prefill on
+    an idle worker would be faster for it, but one holder carries that demand, so it stays
+    with the first (speculation keeps sibling bursts together)."""
+    r = router(seed=7)
+    prefix = ids(9, 2000)
+    got = []
+    for i in range(2):
+        toks = prefix + ids(90 + i, 64)
+        d = r.route(KEYER.keys(toks), len(toks), now=i * 0.02)
+        r.started(d, len(toks), now=i * 0.02)
+        got.append(d)
+    assert got[1].worker == got[0].worker and got[1].reason == "cache"
+
+
+def test_requests_arriving_within_one_prefill_count_as_demand() -> None:
+    """The cost model may think a prefill cheap (uncalibrated, it says 48 ms for 2,000
+    tokens, too little for 20 req/s to warrant a second holder), but while no holder has
+    finished computing the prefix, every request seen since it appeared arrived within one
+    prefill: the third such request takes a second worker cold."""
+    r = router(seed=12)
+    prefix = ids(14, 2000)
+    reasons = []
+    for i in range(3):
+        toks = prefix + ids(140 + i, 64)
+        d = r.route(KEYER.keys(toks), len(toks), now=i * 0.05)
+        r.started(d, len(toks), now=i * 0.05)
+        reasons.append(d.reason)
+    assert reasons == ["cold", "cache", "replicate"]
+
+
+def test_no_cold_onset_once_the_prefix_is_computed() -> None:
+    """The holder has its prefix (the first request got its first token): a second request
+    is a cache hit there, not a cold spill (a conversation's next turn stays put)."""
+    r = router(seed=8)
+    prefix = ids(10, 6000)
+    toks = prefix + ids(100, 64)
+    d0 = r.route(KEYER.keys(toks), len(toks), now=0.0)
+    r.first_token(r.started(d0, len(toks), now=0.0), now=1.3)
+    toks = prefix + ids(101, 64)
+    d1 = r.route(KEYER.keys(toks), len(toks), now=1.31)
+    assert (d1.worker, d1.reason) == (d0.worker, "cache")
+
+
+def test_no_cold_onset_when_the_holder_is_busy_with_other_work() -> None:
+    """The holder has computed the prefix (the engine reported it) and is busy with an
+    unrelated long prefill: its queue is not this prefix's, so no onset spill; the usual
+    cost decides (a cache hit behind the queue beats a cold prefill here)."""
+    r = router(seed=10)
+    prefix = ids(12, 6000)
+    r.index.stored("w0", None, KEYER.keys(prefix))
+    r.loads.started("w0", 8000, 0.0)  # someone else's cold prompt
+    toks = prefix + ids(120, 64)
+    d = r.route(KEYER.keys(toks), len(toks), now=0.01)
+    assert (d.worker, d.reason) == ("w0", "cache")
+
+
+def test_a_busy_worker_with_only_decodes_is_warmed_beside_a_queued_holder() -> None:
+    """No worker is idle: the holder has a 6,000-token prefill queued, the other only four
+    sequences decoding. The other is the lighter one (a shorter predicted wait, though more
+    sequences run there), so the hot prefix's new holder is warmed there."""
+    r = Router(make_policy("ttft"), BS, rng=random.Random(11))
+    prefix = ids(13, 6000)
+    pkeys = KEYER.keys(prefix)
+    for w in ("a", "b"):
+        r.add_worker(w)
+        r.index.add_worker(w)
+    r.index.stored("a", None, pkeys)
+    r.loads.started("a", 6000, 0.0)  # someone else's long prompt, queued
+    for _ in range(4):  # b: four sequences past their first token
+        r.loads.first_token(r.loads.started("b", 100, 0.0))
+    for i in range(40):  # 20 req/s of the prefix: more holders warranted
+        r.ctx.popularity.observe(pkeys[-1], i * 0.05)
+    toks = prefix + ids(130, 64)
+    d = r.route(KEYER.keys(toks), len(toks), now=2.0)
+    assert (d.worker, d.reason) == ("a", "cache")
+    assert [i.worker for i in r.ctx.warmups.drain()] == ["b"]
+
+
+def test_busy_holders_of_a_hot_prefix_take_turns() -> None:
+    """Two busy holders of a prefix whose demand warrants several holders, their predicted
+    TTFTs a few milliseconds apart (within ``hot_step_ties`` decode steps): the one that
+    waited longest gets the request, though it looks heavier (that difference is the
+    engines' step phase). Without the demand, the lighter one wins, as before."""
+
+    def pick(hot: bool) -> str:
+        r = Router(make_policy("ttft"), BS, rng=random.Random(9))
+        prefix = ids(11, 6000)
+        pkeys = KEYER.keys(prefix)
+        for w in ("a", "b"):
+            r.add_worker(w)
+            r.index.add_worker(w)
+            r.index.stored(w, None, pkeys)
+        r.loads.started("a", 300, 0.0)  # a: waited longest, 200 tokens more queued
+        r.loads.started("b", 100, 0.5)
+        if hot:
+            for i in range(40):  # 20 req/s of a 6,000-token prefix: 3 holders' worth
+                r.ctx.popularity.observe(pkeys[-1], i * 0.05)
+        toks = prefix + ids(110, 64)
+        return r.route(KEYER.keys(toks), len(toks), now=2.0, dry_run=True).worker
+
+    assert pick(hot=False) == "b"
+    assert pick(hot=True) == "a"
 
 
 def test_spill_mode_keeps_the_cold_replicate_path() -> None:

@@ -262,13 +262,16 @@ class PoolView:
 @dataclass
 class PolicyContext:
     """Shared, per-pool inputs: the cost model, a seeded random source, prefix popularity,
-    and the warm-ups the policy asked for (the owner sends them: ``WarmupBook.take``)."""
+    and the warm-ups the policy asked for (the owner sends them: ``WarmupBook.take``).
+    ``computed(worker, key)``: whether the engine has reported the block ``key`` on
+    ``worker`` (a match may be only speculative: a prefill still under way); None: unknown."""
 
     cost: CostModel = field(default_factory=CostModel)
     rng: random.Random = field(default_factory=random.Random)
     popularity: PrefixPopularity = field(default_factory=PrefixPopularity)
     warmups: WarmupBook = field(default_factory=WarmupBook)
     now: float = 0.0
+    computed: Callable[[str, int], bool] | None = None
 
 
 class Policy(ABC):

@@ -61,20 +61,22 @@ class PrefixPopularity:
         entry = self._w.get(key)
         return 0.0 if entry is None else self._decayed(entry, now)
 
-    def rate(self, key: int, now: float) -> float:
+    def rate(self, key: int, now: float, plus: float = 0.0) -> float:
         """Recent arrivals per second of requests sharing the prefix ending with ``key``.
 
         The decayed count divided by the decayed length of the span it was collected over
         (since the prefix was first seen, at least ``min_window``): for a steady stream of
         ``r`` requests/s this is ``r`` from the first ``min_window`` on, where the count alone
-        reaches ``r × half_life / ln 2`` only after several half-lives.
+        reaches ``r × half_life / ln 2`` only after several half-lives. ``plus``: requests
+        not yet observed counted as arriving at ``now`` (the one being routed).
         """
         entry = self._w.get(key)
-        if entry is None:
+        if entry is None and plus <= 0:
             return 0.0
         age = max(now - self._first.get(key, now), self.min_window)
         span = -math.expm1(-self._rate * age) / self._rate
-        return self._decayed(entry, now) / span
+        count = 0.0 if entry is None else self._decayed(entry, now)
+        return (count + plus) / span
 
     def share(self, key: int, now: float) -> float:
         """Fraction of recent requests that shared the prefix ending with ``key``."""

@@ -14,13 +14,17 @@ the worker that has waited longest for a request (round robin among equals; rand
 workers never used), never to "worker 0".
 
 ``step_ties`` (off by default) widens the near-ties among busy workers with that match by
-that many decode steps. A busy engine's next step starts anywhere within its current one,
-which no report shows; when every request is alike (one hot prefix, same-size questions) a
+that many decode steps; ``hot_step_ties`` (2) does the same only for a prefix replicated for
+its demand (held by several workers, ``holders_needed`` >= 2), whose requests are alike.
+A busy engine's next step starts anywhere within its current one, which no report shows; when every request is alike (one hot prefix, same-size questions) a
 few milliseconds of predicted queue are that phase, not load, and taking turns queues 3-4%
 less than choosing by them (offline simulator, 2 and 8 workers). With requests of
 mixed sizes (multi-turn chat) the same differences are real queued work: ``step_ties: 1``
 raised p99 TTFT 12-22% at 95% load on the chat-eviction preset (live A/B), so it is a
-setting for uniform traffic, not the default.
+setting for uniform traffic, not the default. A hot prefix's requests are that uniform
+traffic, and a conversation's prefix (one holder) or a system prompt whose share warrants one
+holder never qualifies, so ``hot_step_ties`` is on: without it kvroute's p50 on one hot
+prefix was 3-10% above round robin's at 60-95% load (offline simulator, 2 and 8 workers).
 
 Hot prefixes are replicated in proportion to demand (``gateway/routing/replication.py``): a
 prefix arriving at ``r`` requests/s whose cold prefill takes ``p`` ms warrants
@@ -33,8 +37,13 @@ at random if any) and routes the request as usual: the gateway sends that worker
 alone with one output token, off the request path, and traffic moves there once the index
 shows the prefix (reason ``cache`` or ``balance`` then). With ``warmup: false`` the request
 itself goes to the non-holder instead, cold (reason ``replicate``), when the best holder is
-busy. A conversation's own prefix (a low rate) never replicates; one system prompt on every
-request at a high rate ends up on every worker.
+busy. At a hot prefix's onset, while its holder is still prefilling it (the index's match is
+only speculative), a request that would wait there goes cold to a non-holder (reason
+``replicate``) if it is predicted no slower there and the demand counting it warrants
+another holder: round robin spreads the first cold prefills over the workers at once, and
+waiting a warm-up's worth before starting the second holder made kvroute's cold start
+slower than round robin's. A conversation's own prefix (a low rate) never replicates; one
+system prompt on every request at a high rate ends up on every worker.
 
 LoRA adapters: a request for an adapter is keyed on the adapter's chain (its matches are
 blocks computed with that adapter only), and a worker without the adapter loaded adds
@@ -58,8 +67,9 @@ those of a scan over every worker in the same order (tests/test_routing_scale.py
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
-from itertools import repeat
+from itertools import islice, repeat
 
 from gateway.routing.policy import (
     CandidateScore,
@@ -88,10 +98,12 @@ class PredictedTTFT(Policy):
         max_scored: int = 16,
         step_ties: float = 0.0,
         warmup: bool = True,
+        hot_step_ties: float = 2.0,
     ) -> None:
-        if min(compute_weight, tie_ms, tie_ratio, replication, step_ties) < 0:
+        if min(compute_weight, tie_ms, tie_ratio, replication, step_ties, hot_step_ties) < 0:
             raise ValueError(
-                "compute_weight, tie_ms, tie_ratio, replication and step_ties must be >= 0"
+                "compute_weight, tie_ms, tie_ratio, replication, step_ties and hot_step_ties"
+                " must be >= 0"
             )
         self.compute_weight = compute_weight
         self.tie_ms = tie_ms
@@ -101,6 +113,7 @@ class PredictedTTFT(Policy):
         self.max_scored = max_scored  # busy workers scored per match length (0: all)
         self.step_ties = step_ties  # same-match near-ties: this many decode steps (see choose)
         self.warmup = warmup  # new holders are warmed off the request path (else: spill cold)
+        self.hot_step_ties = hot_step_ties  # step_ties for a prefix hot enough to replicate
 
     def choose(
         self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, explain: bool = False
@@ -172,7 +185,8 @@ class PredictedTTFT(Policy):
         scored: list[tuple[float, str, int, float]] = []
         # step_ties: same-match busy workers within that many decode steps tie (see the
         # module docstring); the scan goes that much further so every such worker is scored.
-        step = self.step_ties * cost.max_decode_step_ms() * scale if self.step_ties else 0.0
+        steps = self.step_ties or (self.hot_step_ties if self._hot(request, pool, ctx) else 0.0)
+        step = steps * cost.max_decode_step_ms() * scale if steps else 0.0
         limit = best + max(tie_ms, best * tie_ratio)
         reach = limit + step
         min_base = min((bases[m] for m in busy_at), default=float("inf"))
@@ -235,13 +249,13 @@ class PredictedTTFT(Policy):
         group = 0  # idle workers tied with ``ties``
         if top in near_idle:
             group = idle_at[top]
-        elif self.step_ties:  # an idle engine starts at once: only busy ones have a phase
+        elif steps:  # an idle engine starts at once: only busy ones have a phase
             at_top = [e for e in scored if e[2] == top]
             first = min(at_top)
             window = (
                 first[0]
                 + max(tie_ms, first[0] * tie_ratio)
-                + self.step_ties * (cost.decode_step_ms(pool.view(first[1]).kv_usage) * scale)
+                + steps * (cost.decode_step_ms(pool.view(first[1]).kv_usage) * scale)
             )
             ties = [e[1] for e in at_top if e[0] <= window]
         pick = self._tie_break(ties, group, top == 0 and unmatched, pool, ctx)
@@ -251,7 +265,7 @@ class PredictedTTFT(Policy):
             _, _, matched, ttft = next(e for e in scored if e[1] == pick)
         best_match = mt(pool.masks[0][0]) if pool.masks else 0
         replicate = self.replication and request.adapter is None  # adapters: not modelled
-        replica = self._replica(request, pool, ctx, pick) if replicate else None
+        replica = self._replica(request, pool, ctx, pick, ttft) if replicate else None
         if replica is not None:
             pick, matched = replica, _level(levels, bits_of[replica])
             v = pool.view(replica)
@@ -309,13 +323,15 @@ class PredictedTTFT(Policy):
         return ctx.rng.choice(first)
 
     def _replica(
-        self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, pick: str
+        self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, pick: str, ttft: float
     ) -> str | None:
         """Grow a hot prefix's holder set if its demand warrants more holders than it has.
 
         With ``warmup`` the new holder is asked for in ``ctx.warmups`` and None is returned
         (the request goes to ``pick``); without, the non-holder is returned to receive this
-        request cold, and only while ``pick`` is busy."""
+        request cold, and only while ``pick`` is busy. Either way, while ``pick`` is still
+        prefilling the prefix (``_spill``) the request itself goes to a non-holder when
+        that is no slower (``ttft``: ``pick``'s prediction)."""
         if not pool.levels:
             return None
         depth, holders = pool.levels[0]
@@ -326,20 +342,20 @@ class PredictedTTFT(Policy):
         key = request.keys[depth - 1]
         now = ctx.now
         pop = ctx.popularity
+        cost = ctx.cost
+        tokens = request.matched_tokens(depth)
+        prefill = cost.chunked_prefill_ms(tokens) * cost.scale
+        book = ctx.warmups
+        warming = book.pending(key, holders, now) if self.warmup else []
+        have = len(holders) + len(warming)
+        spill = self._spill(request, pool, ctx, pick, ttft, tokens, prefill, key, have)
+        if spill is not None:
+            return spill
         # this request and the recent ones (decayed: half a request of slack)
         if pop.weight(key, now) + 1.5 < self.min_requests:  # a burst, not sustained demand
             return None
-        cost = ctx.cost
-        tokens = request.matched_tokens(depth)
-        need = holders_needed(
-            pop.rate(key, now),
-            cost.chunked_prefill_ms(tokens) * cost.scale,
-            len(pool.workers),
-            self.replication,
-        )
-        book = ctx.warmups
-        warming = book.pending(key, holders, now) if self.warmup else []
-        if len(holders) + len(warming) >= need:
+        need = holders_needed(pop.rate(key, now), prefill, len(pool.workers), self.replication)
+        if have >= need:
             return None
         target = self._newcomer(pool, ctx, pick, {*holders, *warming})
         if target is None or not self.warmup:
@@ -347,21 +363,110 @@ class PredictedTTFT(Policy):
         book.want(WarmupIntent(target, key, depth, tokens, now))
         return None
 
+    def _hot(self, request: RouteRequest, pool: PoolView, ctx: PolicyContext) -> bool:
+        """Whether the longest match is a prefix replicated for its demand: held by several
+        workers and arriving fast enough to warrant several (``holders_needed`` >= 2).
+        Its requests are alike (the prefix dominates them), so among its busy holders a few
+        milliseconds of predicted queue are the engines' step phase, not load:
+        ``hot_step_ties`` applies there. A conversation's prefix (one holder) and a system
+        prompt whose share warrants one holder keep the exact comparison."""
+        if not self.hot_step_ties or not self.replication or not pool.masks:
+            return False
+        depth, bits = pool.masks[0]
+        if bits.bit_count() < 2 or depth > len(request.keys):
+            return False
+        cost = ctx.cost
+        rate = ctx.popularity.rate(request.keys[depth - 1], ctx.now)
+        prefill = cost.chunked_prefill_ms(request.matched_tokens(depth)) * cost.scale
+        return holders_needed(rate, prefill, pool.size, self.replication) >= 2
+
+    def _spill(
+        self,
+        request: RouteRequest,
+        pool: PoolView,
+        ctx: PolicyContext,
+        pick: str,
+        ttft: float,
+        tokens: int,
+        prefill: float,
+        key: int,
+        have: int,
+    ) -> str | None:
+        """A non-holder to send this request to cold, at the onset of a hot prefix.
+
+        While the prefix's holder is still prefilling it (the index's match is speculative
+        and its queue holds at least the prefix), a request arriving there waits for that
+        prefill, then its own step: no faster than a cold prefill on an idle worker, which
+        round robin would have started at once. If the demand counting this request
+        warrants another holder, the request goes cold to a non-holder (an idle one at
+        random, else the least loaded busy one) when its predicted TTFT there is no worse
+        than at ``pick``: that request loses nothing and the new holder starts a warm-up's
+        worth earlier. A burst of siblings of a short prefix (demand for one holder) and a
+        conversation's next turn (its prefix already computed) stay where they are."""
+        if pool.view(pick).queued_prefill_tokens < tokens:
+            return None
+        if ctx.computed is not None and ctx.computed(pick, key):  # the prefix is there
+            return None
+        pop = ctx.popularity
+        size = len(pool.workers)
+        need = holders_needed(pop.rate(key, ctx.now, plus=1.0), prefill, size, self.replication)
+        held = pool.masks[0][1]
+        if need <= have and self._none_computed(pool, ctx, held, key):
+            # every holder is still computing the prefix, so its prefill has lasted at
+            # least since the prefix was first seen: the requests seen since (and this one)
+            # arrived within one prefill, each a holder's worth of demand, whatever the cost
+            # model (uncalibrated at first) says the prefill costs
+            need = min(size, math.ceil(pop.weight(key, ctx.now) + 1.0 - 1e-9))
+        if need <= have:
+            return None
+        free = pool.idle_bits & ~held
+        target: str | None
+        if free:
+            names = pool.loads.names(free)
+            target = names[0] if len(names) == 1 else ctx.rng.choice(names)
+        else:  # the least loaded busy non-holder (the first few in load order)
+            bits = pool.loads.bits()
+            busy = islice(pool.busy_by_key(), _SPILL_SCAN)
+            target = next((w for _, w in busy if not bits[w] & held), None)
+            if target is None:
+                return None
+        bit = pool.loads.bit(target)
+        blocks = next((n for n, hb in pool.masks if hb & bit), 0)
+        v = pool.view(target)
+        new = request.prompt_tokens - request.matched_tokens(blocks)
+        cold = ctx.cost.ttft_ms(v.queued_prefill_tokens, new, v.running, v.kv_usage)
+        return target if cold <= ttft else None
+
+    @staticmethod
+    def _none_computed(pool: PoolView, ctx: PolicyContext, held: int, key: int) -> bool:
+        """Whether no holder in ``held`` has the prefix ending with ``key`` computed (the
+        index's matches are all speculative); False when unknown or too many to ask."""
+        computed = ctx.computed
+        if computed is None or held.bit_count() > _SPILL_SCAN:
+            return False
+        return not any(computed(w, key) for w in pool.loads.names(held))
+
     @staticmethod
     def _newcomer(pool: PoolView, ctx: PolicyContext, pick: str, taken: set[str]) -> str | None:
         """The worker to become a new holder: an idle non-holder at random, else the least
-        loaded busy non-holder if it is lighter than ``pick``."""
+        loaded busy non-holder if it is lighter than ``pick`` (a shorter predicted wait:
+        a few decoding sequences weigh less than a long prefill queued)."""
         idle = [w for w in pool.idle() if w not in taken]
         if idle:
             return ctx.rng.choice(idle)
+        cost = ctx.cost
         busy = pool.view(pick)
-        mine = (busy.running, busy.queued_prefill_tokens)
+        mine = cost.ttft_ms(busy.queued_prefill_tokens, 1, busy.running, busy.kv_usage)
         for _, w in pool.busy_by_key():
             if w not in taken:
                 v = pool.view(w)
-                return w if (v.running, v.queued_prefill_tokens) < mine else None
+                wait = cost.ttft_ms(v.queued_prefill_tokens, 1, v.running, v.kv_usage)
+                return w if wait < mine else None
         return None
 
+
+#: busy workers looked at for a non-holder to spill a hot prefix's onset to
+_SPILL_SCAN = 16
 
 #: busy holders left in the unfinished levels below which a scan visits only them
 _NARROW = 64
