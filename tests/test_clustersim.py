@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import gc
 import json
 import statistics
 import urllib.request
@@ -107,6 +109,28 @@ def test_decode_spans_and_report_skipping_change_nothing(trace: Path) -> None:
         abs(t - by_index[i]) <= 1e-6 * max(1.0, t)
         for i, t in zip(fast.table.index, fast.table.ttft, strict=True)
     )
+
+
+def test_gc_thresholds_hold_during_a_run_only_and_change_nothing(trace: Path) -> None:
+    """``gc_thresholds`` are in force while ``run`` runs (seen from its progress callback),
+    the caller's are back afterwards, also when the run fails, and the run is the one made
+    with the collector left alone."""
+    stream = trace_stream(trace, 300)
+    caller = gc.get_threshold()
+    seen: list[tuple[int, ...]] = []
+    tuned = ClusterSim(ClusterConfig(**TRACE_CLUSTER))
+    res = tuned.run(stream, lambda n: seen.append(gc.get_threshold()), progress_every=100)
+    assert seen and set(seen) == {tuned.gc_thresholds} != {caller}
+    assert gc.get_threshold() == caller
+    plain_sim = ClusterSim(ClusterConfig(**TRACE_CLUSTER))
+    plain_sim.gc_thresholds = None
+    plain = plain_sim.run(stream, lambda n: seen.append(gc.get_threshold()), progress_every=100)
+    assert seen[-1] == caller
+    assert outcome(res) == outcome(plain) and list(res.table.ttft) == list(plain.table.ttft)
+    backwards = [stream[1], dataclasses.replace(stream[0], at=stream[1].at - 1.0)]
+    with pytest.raises(ValueError, match="out of order"):
+        ClusterSim(ClusterConfig(**TRACE_CLUSTER)).run(backwards)
+    assert gc.get_threshold() == caller
 
 
 def test_summary_is_the_load_driver_format(chat: list[Arrival]) -> None:
