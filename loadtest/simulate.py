@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import math
-import struct
 import sys
 import time
 from array import array
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import yaml
 from tqdm import tqdm
 
@@ -75,7 +75,6 @@ __all__ = [
 #: KV capacity per worker when --kv-blocks is not given: the live sim's 16384 x 16 tokens
 DEFAULT_KV_TOKENS = 16384 * 16
 TRACE_BLOCK_TOKENS = 512
-_U32 = struct.Struct("<I")
 
 
 # -- request streams ------------------------------------------------------------------------
@@ -197,24 +196,26 @@ def trace_arrivals(
     """
     if speed <= 0:
         raise ValueError("speed must be > 0")
-    pack = _U32.pack
     for i, rec in enumerate(_records(path, limit)):
-        left = rec.input_length
-        parts = []
-        for h in rec.hash_ids:
-            if left <= 0:
-                break
-            if not 0 <= h < 2**31 - 2:
-                raise ValueError(f"{path}: record {i}: hash id {h} out of range")
-            take = min(left, block_tokens)
-            parts.append(pack(h + 2) * take)
-            left -= take
-        if not parts:
+        n = rec.input_length
+        if n <= 0 or not rec.hash_ids:
             continue
+        # block j is token (hash_ids[j] + 2) repeated, cut to input_length: built in numpy
+        # (half the cost of joining per-block byte strings, a tenth of the simulator's time)
+        used = rec.hash_ids[: -(-n // block_tokens)]
+        try:
+            ids = np.array(used, dtype=np.int64)
+            bad = (ids < 0) | (ids >= 2**31 - 2)
+        except OverflowError:  # beyond int64: out of range too
+            bad = np.array([not 0 <= h < 2**31 - 2 for h in used])
+        if bad.any():
+            h = used[int(np.argmax(bad))]
+            raise ValueError(f"{path}: record {i}: hash id {h} out of range")
+        tokens = np.repeat((ids + 2).astype("<u4"), block_tokens)[:n].tobytes()
         yield Arrival(
             i,
             rec.timestamp / 1000.0 / speed,
-            b"".join(parts),
+            tokens,
             max(1, rec.output_length),
             f"trace-{i}",
         )

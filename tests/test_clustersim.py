@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import gc
 import json
 import statistics
+import tempfile
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.routing.keys import BlockKeyer
 from gateway.tokenization import Tokenizer, bundled_test_tokenizer
@@ -107,6 +113,92 @@ def test_decode_spans_and_report_skipping_change_nothing(trace: Path) -> None:
         abs(t - by_index[i]) <= 1e-6 * max(1.0, t)
         for i, t in zip(fast.table.index, fast.table.ttft, strict=True)
     )
+
+
+def test_gc_thresholds_hold_during_a_run_only_and_change_nothing(trace: Path) -> None:
+    """``gc_thresholds`` are in force while ``run`` runs (seen from its progress callback),
+    the caller's are back afterwards, also when the run fails, and the run is the one made
+    with the collector left alone."""
+    stream = trace_stream(trace, 300)
+    caller = gc.get_threshold()
+    seen: list[tuple[int, ...]] = []
+    tuned = ClusterSim(ClusterConfig(**TRACE_CLUSTER))
+    res = tuned.run(stream, lambda n: seen.append(gc.get_threshold()), progress_every=100)
+    assert seen and set(seen) == {tuned.gc_thresholds} != {caller}
+    assert gc.get_threshold() == caller
+    plain_sim = ClusterSim(ClusterConfig(**TRACE_CLUSTER))
+    plain_sim.gc_thresholds = None
+    plain = plain_sim.run(stream, lambda n: seen.append(gc.get_threshold()), progress_every=100)
+    assert seen[-1] == caller
+    assert outcome(res) == outcome(plain) and list(res.table.ttft) == list(plain.table.ttft)
+    backwards = [stream[1], dataclasses.replace(stream[0], at=stream[1].at - 1.0)]
+    with pytest.raises(ValueError, match="out of order"):
+        ClusterSim(ClusterConfig(**TRACE_CLUSTER)).run(backwards)
+    assert gc.get_threshold() == caller
+
+
+def _reference_prompt(rec: dict[str, Any], block_tokens: int) -> bytes:
+    """A trace record's prompt, block by block: token ``hash id + 2`` per position."""
+    out, left = b"", rec["input_length"]
+    for h in rec["hash_ids"]:
+        if left <= 0:
+            break
+        take = min(left, block_tokens)
+        out += (h + 2).to_bytes(4, "little") * take
+        left -= take
+    return out
+
+
+_record = st.fixed_dictionaries(
+    {
+        "timestamp": st.integers(0, 10**6),
+        "input_length": st.integers(-2, 40),
+        "output_length": st.integers(0, 9),
+        "hash_ids": st.lists(st.integers(0, 2**31 - 3), max_size=6),
+    }
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_record, max_size=8), st.integers(1, 9))
+def test_trace_prompts_are_the_hash_ids_repeated(records: list[dict[str, Any]], bt: int) -> None:
+    """Each record's prompt is its hash ids' blocks cut to ``input_length`` (no hash ids or
+    no input: no request), its index the record's position, output at least one token."""
+    from loadtest.simulate import trace_arrivals
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "t.jsonl"
+        path.write_text(
+            "".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["timestamp"]))
+        )
+        got = list(trace_arrivals(path, block_tokens=bt))
+        want = [
+            (i, r["timestamp"] / 1000.0, _reference_prompt(r, bt), max(1, r["output_length"]))
+            for i, r in enumerate(sorted(records, key=lambda r: r["timestamp"]))
+            if _reference_prompt(r, bt)
+        ]
+        assert [(a.index, a.at, a.tokens, a.max_tokens) for a in got] == want
+
+
+def test_a_trace_hash_id_out_of_range_is_refused(tmp_path: Path) -> None:
+    from loadtest.simulate import trace_arrivals
+
+    path = tmp_path / "t.jsonl"
+    rec = {"timestamp": 0, "input_length": 30, "output_length": 1, "hash_ids": [1, 2**31 - 2]}
+    path.write_text(json.dumps(rec) + "\n")
+    with pytest.raises(ValueError, match=r"record 0: hash id 2147483646 out of range"):
+        list(trace_arrivals(path, block_tokens=16))
+    rec["hash_ids"] = [1, -1, 3]  # the first bad id is named
+    path.write_text(json.dumps(rec) + "\n")
+    with pytest.raises(ValueError, match=r"hash id -1 out of range"):
+        list(trace_arrivals(path, block_tokens=16))
+    rec["hash_ids"] = [1, 2**64 - 1]  # beyond int64
+    path.write_text(json.dumps(rec) + "\n")
+    with pytest.raises(ValueError, match=rf"hash id {2**64 - 1} out of range"):
+        list(trace_arrivals(path, block_tokens=16))
+    rec["input_length"] = 16  # ids past the prompt are not read
+    path.write_text(json.dumps(rec) + "\n")
+    assert len(next(trace_arrivals(path, block_tokens=16)).tokens) == 64
 
 
 def test_summary_is_the_load_driver_format(chat: list[Arrival]) -> None:

@@ -149,8 +149,8 @@ def _big_router(n: int, seed: int, busy: float) -> tuple[Router, list[int]]:
 def test_a_decision_in_a_large_pool_lists_no_holders(monkeypatch: pytest.MonkeyPatch) -> None:
     """2,048 workers all holding the request's prefix: the decision counts and compares bit
     sets; it lists a handful of workers at most, never the holders. (Every worker has been
-    sent a request before: while several never have, a tie among them is drawn from their
-    list, in the order it has always had, so a seed keeps its decisions.)"""
+    sent a request before; a tie among workers never sent one is drawn from their bit set,
+    see the never-sent tests below.)"""
     r, shared = _big_router(2048, 3, busy=0.5)
     for i, w in enumerate(r.workers()):
         r.loads.finished(r.loads.started(w, 1, now=-1.0 + i * 1e-4))
@@ -209,3 +209,64 @@ def test_narrowed_scans_and_waiting_order_change_no_decision(
             ttft._NARROW, ttft._DECODE_GROUP = old
         results.append(got)
     assert all(res == results[0] for res in results[1:])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 300), st.data())
+def test_nth_is_the_kth_member_by_bit(n: int, data: st.DataObject) -> None:
+    """``nth`` equals indexing the listed set, for small sets and large (decoded in C)."""
+    loads = LoadTracker()
+    for i in range(n):
+        loads.add_worker(f"w{i}")
+    chosen = data.draw(st.sets(st.integers(0, n - 1), min_size=1))
+    bits = sum(loads.bit(f"w{i}") for i in chosen)
+    listed = loads.names(bits)
+    k = data.draw(st.integers(0, len(listed) - 1))
+    assert loads.nth(bits, k) == listed[k]
+
+
+def _unsent_pool(n: int, sent: int, seed: int) -> Router:
+    """``n`` idle workers holding nothing; the first ``sent`` have served one request."""
+    r = Router(make_policy("ttft"), BS, rng=random.Random(seed))
+    for i in range(n):
+        r.add_worker(f"w{i:03d}")
+    for i in range(sent):
+        r.loads.finished(r.loads.started(f"w{i:03d}", 1, now=-1.0))
+    return r
+
+
+def test_a_tie_among_never_sent_workers_is_a_uniform_draw_from_them() -> None:
+    """Idle workers matching nothing, some never sent a request: the pick is one of those
+    never sent, it is the reference draw (the generator's ``randrange`` over them by bit,
+    exactly what ``rng.choice`` consumes), and over many seeds each is about as likely."""
+    n, sent = 100, 60
+    never = [f"w{i:03d}" for i in range(sent, n)]
+    counts = dict.fromkeys(never, 0)
+    for seed in range(800):
+        r = _unsent_pool(n, sent, seed)
+        assert r.loads.unsent_bits() == sum(r.loads.bit(w) for w in never)
+        d = r.route(_keys(seed, 4), 4 * BS, now=0.0, dry_run=True)
+        ref = sorted(never, key=r.loads.bit)[random.Random(seed).randrange(len(never))]
+        assert d.worker == ref
+        counts[d.worker] += 1
+    # 20 expected per worker: a fair draw keeps every count within 20 +- 22 here
+    assert min(counts.values()) > 0 and max(counts.values()) < 45, counts
+
+
+def test_sending_clears_a_worker_from_the_never_sent_set() -> None:
+    """Once every worker has been sent a request, the draw falls back to the longest-waiting
+    worker (no never-sent candidates left), and a re-added worker counts as never sent."""
+    r = _unsent_pool(4, 0, 0)
+    seen = []
+    for i in range(4):
+        d = r.route(_keys(i, 4), 4 * BS, now=float(i), dry_run=True)
+        seen.append(d.worker)
+        r.loads.finished(r.loads.started(d.worker, 1, now=float(i)))
+        r.loads.check_invariants()
+    assert sorted(seen) == ["w000", "w001", "w002", "w003"] and r.loads.unsent_bits() == 0
+    assert r.route(_keys(9, 4), 4 * BS, now=9.0, dry_run=True).worker == seen[0]  # waited longest
+    r.remove_worker(seen[1])
+    r.add_worker(seen[1])
+    assert r.loads.unsent_bits() == r.loads.bit(seen[1])
+    assert r.route(_keys(10, 4), 4 * BS, now=10.0, dry_run=True).worker == seen[1]
+    r.loads.check_invariants()

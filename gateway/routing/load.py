@@ -122,6 +122,7 @@ class LoadTracker:
         self._free_slots: list[int] = []
         self._member_bits = 0
         self._idle_bits = 0
+        self._unsent_bits = 0  # members never sent a request (absent from _last_sent)
         self._decoded: dict[int, list[str]] = {}  # bit set -> names (names' cache)
 
     # -- membership -------------------------------------------------------------------------
@@ -170,7 +171,7 @@ class LoadTracker:
         self._bits.clear()
         self._slot_names = []
         self._free_slots = []
-        self._member_bits = self._idle_bits = 0
+        self._member_bits = self._idle_bits = self._unsent_bits = 0
         for worker in self._w:
             self._assign_bit(worker)
         self._idle_bits = sum(self._bits[w] for w in self._idle)
@@ -185,6 +186,10 @@ class LoadTracker:
 
     def member_bits(self) -> int:
         return self._member_bits
+
+    def unsent_bits(self) -> int:
+        """The workers never sent a request, as a bit set (a tie among them is a draw)."""
+        return self._unsent_bits
 
     def idle_bits(self) -> int:
         return self._idle_bits
@@ -215,6 +220,16 @@ class LoadTracker:
             self._decoded[bits] = out
         return out
 
+    def nth(self, bits: int, k: int) -> str:
+        """The ``k``-th worker (from 0, by increasing bit) of a non-empty bit set: a uniform
+        draw from a large set without listing it (``names`` lists and caches small ones)."""
+        bits &= self._member_bits
+        if bits.bit_count() <= _DECODED_LARGEST:
+            return self.names(bits)[k]
+        raw = np.frombuffer(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), np.uint8)
+        slot = int(np.flatnonzero(np.unpackbits(raw, bitorder="little"))[k])
+        return self._slot_names[slot]  # type: ignore[return-value]
+
     def _assign_bit(self, worker: str) -> None:
         if self._bit_of is not None:
             bit = self._bit_of(worker)
@@ -228,6 +243,8 @@ class LoadTracker:
         names[slot] = worker
         self._bits[worker] = bit
         self._member_bits |= bit
+        if worker not in self._last_sent:
+            self._unsent_bits |= bit
         self._decoded.clear()
 
     def _release_bit(self, worker: str) -> None:
@@ -236,6 +253,7 @@ class LoadTracker:
             slot = bit.bit_length() - 1
             self._slot_names[slot] = None
             self._member_bits &= ~bit
+            self._unsent_bits &= ~bit
             self._decoded.clear()
             if self._bit_of is None:
                 heapq.heappush(self._free_slots, slot)
@@ -263,6 +281,7 @@ class LoadTracker:
         w = self._w[worker]
         self._req[rid] = _Inflight(worker, prefill_tokens, w.report_version)
         self._last_sent[worker] = now
+        self._unsent_bits &= ~self._bits[worker]
         self._sent += 1
         alpha = max(0.02, 1.0 / self._sent)  # a plain mean at first, then recent requests
         self.mean_prompt_tokens += alpha * (prefill_tokens - self.mean_prompt_tokens)
@@ -388,6 +407,7 @@ class LoadTracker:
         )
         assert self._idle_bits == sum(self._bits[n] for n in self._idle)
         assert self._member_bits == sum(self._bits[n] for n in self._w)
+        assert self._unsent_bits == sum(self._bits[n] for n in self._w if n not in self._last_sent)
 
     # -- internals --------------------------------------------------------------------------
 

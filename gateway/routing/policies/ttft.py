@@ -60,9 +60,11 @@ whatever the pool size, and nothing in it grows with a prefix's holders: match l
 workers and members are bit sets (``PoolView``), counted and intersected, never listed; once
 only levels with few busy holders are left unfinished, the scan visits just those (in the
 same order); the longest-waiting idle worker of a group is found from the tracker's waiting
-order; the cost model's request and load terms are memoised. A prefix held by all of 2,048
-workers costs what one held by two does. The decisions, ties and random draws are exactly
-those of a scan over every worker in the same order (tests/test_routing_scale.py).
+order; a tie among workers never sent a request is drawn from their bit set; the cost
+model's request and load terms are memoised. A prefix held by all of 2,048 workers costs
+what one held by two does. The decisions, ties and random draws are exactly those of a scan
+over every worker in the same order (tests/test_routing_scale.py), except which of several
+never-sent workers matching nothing a draw picks (same candidates, same odds; ``_tie_break``).
 """
 
 from __future__ import annotations
@@ -296,19 +298,32 @@ class PredictedTTFT(Policy):
         among equals spaces each worker's arrivals evenly, which queues less than independent
         random picks.
 
-        The idle group is a bit set: its longest-waiting member is found from the tracker's
-        idle workers in waiting order. Only when several candidates share the oldest time is
-        the list drawn from built, in the order it has always had (busy ties in scan order,
-        then the group: the tracker's idle order for workers matching nothing, else by bit),
-        so the same seed draws the same worker."""
+        The idle group is a bit set. When it has members never sent a request, they (and any
+        busy tie never sent one) are the candidates: one draw picks an index into the busy
+        ties, then the group's never-sent bit set by increasing bit (``LoadTracker.nth``), so
+        nothing lists the hundreds of workers a large pool leaves unsent at first. Otherwise
+        its longest-waiting member is found from the tracker's idle workers in waiting order,
+        and only when several candidates share the oldest time is the list drawn from built
+        (busy ties in scan order, then the group: the tracker's idle order for workers
+        matching nothing, else by bit). A draw consumes the generator exactly as
+        ``rng.choice`` over that list does; the never-sent draw picks the same worker as the
+        list would except among workers matching nothing (bit order, not the tracker's idle
+        order: the same candidates, each as likely)."""
         n_group = group.bit_count()
         if len(ties) + n_group == 1:
             return ties[0] if ties else pool.loads.names(group)[0]
-        sent_of = pool.loads.last_sent_map().get
+        loads = pool.loads
+        sent_of = loads.last_sent_map().get
         inf = float("-inf")
         sent = list(map(sent_of, ties, repeat(inf)))
         oldest = min(sent, default=float("inf"))
         first: list[str] = [w for w, t in zip(ties, sent, strict=True) if t == oldest]
+        unsent = group & loads.unsent_bits()
+        if unsent:  # never sent: as old as it gets
+            if oldest != inf:
+                first = []
+            k = ctx.rng.randrange(len(first) + unsent.bit_count())  # = rng.choice's draw
+            return first[k] if k < len(first) else loads.nth(unsent, k - len(first))
         if group:
             g_oldest, g_first = _oldest_idle(pool, group, n_group)
             if g_oldest < oldest:
