@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.routing.keys import BlockKeyer
-from gateway.routing.policy import make_policy
+from gateway.routing.policy import Decision, make_policy
 from gateway.routing.popularity import PrefixPopularity
 from gateway.routing.replication import WarmupBook, WarmupIntent, holders_needed
 from gateway.routing.router import Router
@@ -164,17 +164,24 @@ def test_expired_prefixes_are_forgotten() -> None:
 # -- the policy -------------------------------------------------------------------------------
 
 
-def hot_stream(r: Router, n: int, gap: float, t0: float = 0.0, base: int = 7) -> list[str]:
-    """``n`` requests of one 6,000-token prefix, ``gap`` s apart, all left in flight."""
-    prefix = ids(base, 6000)
-    reasons = []
+def siblings(
+    r: Router, prefix: list[int], n: int, gap: float, t0: float = 0.0, tail: int = 1000
+) -> list[Decision]:
+    """``n`` requests of ``prefix`` and 64 tokens of their own (seeds ``tail``, ``tail + 1``,
+    ...), ``gap`` s apart from ``t0``, each routed and left in flight."""
+    out = []
     for i in range(n):
-        toks = prefix + ids(1000 + i, 64)
+        toks = prefix + ids(tail + i, 64)
         now = t0 + i * gap
         d = r.route(KEYER.keys(toks), len(toks), now=now)
         r.started(d, len(toks), now=now)
-        reasons.append(d.reason)
-    return reasons
+        out.append(d)
+    return out
+
+
+def hot_stream(r: Router, n: int, gap: float, t0: float = 0.0, base: int = 7) -> list[str]:
+    """The reasons of ``n`` requests of one 6,000-token prefix, ``gap`` s apart."""
+    return [d.reason for d in siblings(r, ids(base, 6000), n, gap, t0)]
 
 
 def test_a_hot_prefix_is_warmed_not_spilled() -> None:
@@ -221,10 +228,7 @@ def test_a_warmed_worker_takes_traffic_once_it_holds_the_prefix() -> None:
     for it in intents:  # each warm-up completes: the engine stores the prefix
         r.index.stored(it.worker, None, pkeys[: it.blocks])
     got: Counter[str] = Counter()
-    for i in range(8):
-        toks = prefix + ids(5000 + i, 64)
-        d = r.route(KEYER.keys(toks), len(toks), now=1.0 + i * 0.05)
-        r.started(d, len(toks), now=1.0 + i * 0.05)
+    for d in siblings(r, prefix, 8, 0.05, t0=1.0, tail=5000):
         assert d.matched_tokens == 6000
         got[d.worker] += 1
     assert set(got) - {"w0"}, got  # the warmed workers serve the prefix from cache
@@ -270,12 +274,7 @@ def test_a_pair_of_siblings_of_a_modest_prefix_stays_together() -> None:
     with the first (speculation keeps sibling bursts together)."""
     r = router(seed=7)
     prefix = ids(9, 2000)
-    got = []
-    for i in range(2):
-        toks = prefix + ids(90 + i, 64)
-        d = r.route(KEYER.keys(toks), len(toks), now=i * 0.02)
-        r.started(d, len(toks), now=i * 0.02)
-        got.append(d)
+    got = siblings(r, prefix, 2, 0.02, tail=90)
     assert got[1].worker == got[0].worker and got[1].reason == "cache"
 
 
@@ -286,12 +285,7 @@ def test_requests_arriving_within_one_prefill_count_as_demand() -> None:
     prefill: the third such request takes a second worker cold."""
     r = router(seed=12)
     prefix = ids(14, 2000)
-    reasons = []
-    for i in range(3):
-        toks = prefix + ids(140 + i, 64)
-        d = r.route(KEYER.keys(toks), len(toks), now=i * 0.05)
-        r.started(d, len(toks), now=i * 0.05)
-        reasons.append(d.reason)
+    reasons = [d.reason for d in siblings(r, prefix, 3, 0.05, tail=140)]
     assert reasons == ["cold", "cache", "replicate"]
 
 

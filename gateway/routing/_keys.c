@@ -30,6 +30,17 @@ typedef struct {
 
 static void invalid(const chain_t *c, const char *msg) { PyErr_SetString(c->invalid, msg); }
 
+/* Add id `t` (position `k` of its block) to the block's two sums, reduced every SUM_RUN terms
+ * so they stay below 2**64 (each term is below 2**58). */
+static inline void absorb(const chain_t *c, Py_ssize_t k, uint64_t t, uint64_t *h0, uint64_t *h1) {
+    *h0 += t * c->r[2 * k];
+    *h1 += t * c->r[2 * k + 1];
+    if ((k + 1) % SUM_RUN == 0) {
+        *h0 %= P0;
+        *h1 %= P1;
+    }
+}
+
 /* Fold one block's partial sums (h0, h1, already below 2**64) into the chain; return the key. */
 static inline uint64_t step(chain_t *c, uint64_t h0, uint64_t h1) {
     c->k0 = (c->k0 * c->b0 + h0 % P0) % P0;
@@ -116,12 +127,7 @@ static PyObject *keys_of_sequence(PyObject *seq, Py_ssize_t start, Py_ssize_t n,
                 if (t < 0)
                     goto fail;
             }
-            h0 += (uint64_t)t * c->r[2 * k];
-            h1 += (uint64_t)t * c->r[2 * k + 1];
-            if ((k + 1) % SUM_RUN == 0) {
-                h0 %= P0;
-                h1 %= P1;
-            }
+            absorb(c, k, (uint64_t)t, &h0, &h1);
         }
         PyObject *key = PyLong_FromUnsignedLongLong(step(c, h0, h1));
         if (key == NULL)
@@ -171,12 +177,7 @@ static PyObject *keys_of_buffer(const Py_buffer *view, char fmt, Py_ssize_t star
                 Py_DECREF(out);
                 return NULL;
             }
-            h0 += (uint64_t)t * c->r[2 * k];
-            h1 += (uint64_t)t * c->r[2 * k + 1];
-            if ((k + 1) % SUM_RUN == 0) {
-                h0 %= P0;
-                h1 %= P1;
-            }
+            absorb(c, k, (uint64_t)t, &h0, &h1);
         }
         PyObject *key = PyLong_FromUnsignedLongLong(step(c, h0, h1));
         if (key == NULL) {
