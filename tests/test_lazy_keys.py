@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -138,3 +139,26 @@ def test_lazy_decisions_equal_eager(
     assert sorted(lazy.index.iter_runs()) == sorted(eager.index.iter_runs())
     assert lazy.index.stats == eager.index.stats
     lazy.index.check_invariants()
+
+
+@given(token_lists, st.integers(0, 30))
+@settings(max_examples=100, deadline=None)
+def test_adopted_keys_continue_the_chain(tokens: list[int], known: int) -> None:
+    """``adopt`` takes a prefix's keys without copying them; the rest chains on exactly."""
+    eager = KEYER.keys(tokens)
+    lazy = LazyKeys(KEYER, tokens)
+    prefix = eager[: min(known, len(eager))]
+    lazy.adopt(prefix)
+    assert lazy.computed == len(prefix) and lazy.all() == eager
+
+
+def test_adopt_refuses_keys_it_cannot_take() -> None:
+    tokens = list(range(3 * BS))
+    eager = KEYER.keys(tokens)
+    lazy = LazyKeys(KEYER, tokens)
+    with pytest.raises(ValueError):
+        lazy.adopt([*eager, 1])  # more keys than the tokens have blocks
+    lazy.upto(1)
+    with pytest.raises(ValueError):
+        lazy.adopt(eager[:1])  # keys already computed: adopting would drop or double them
+    assert lazy.all() == eager

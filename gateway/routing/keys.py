@@ -452,6 +452,15 @@ class LazyKeys(Sequence[int]):
         if len(known) == self._n:
             self.tokens = ()
 
+    def adopt(self, known: list[int]) -> None:
+        """Take ``known`` (a new list of the keys of a prefix of the tokens, computed with no
+        keys yet) as the computed keys: the constructor's ``known`` without its copy."""
+        if self._keys or len(known) > self._n:
+            raise ValueError("adopt: keys already computed, or more keys than blocks")
+        self._keys = known
+        if len(known) == self._n:
+            self.tokens = ()
+
     @property
     def computed(self) -> int:
         """Keys computed so far."""
@@ -548,7 +557,8 @@ class PrefixKeys:
             self._items.move_to_end(slot)
             self.hits += 1
             prev, n = entry[1], entry[2]
-            keys = LazyKeys(self.keyer, ids, root, prev.upto(n)[:n])
+            keys = LazyKeys(self.keyer, ids, root)
+            keys.adopt(prev.upto(n)[:n])
         else:
             self.misses += 1
             keys = LazyKeys(self.keyer, ids, root)

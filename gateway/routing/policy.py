@@ -165,10 +165,10 @@ class PoolView:
         """From ``ShadowIndex.match_masks`` (its bits must be the tracker's: ``bind_bits``)."""
         view = cls.__new__(cls)
         keep = loads.member_bits()
-        for w in exclude | untrusted:
-            keep &= ~loads.bit(w)
-        masks = [(n, b & keep) for n, b in masks]
-        view._init(loads, [(n, b) for n, b in masks if b], exclude, untrusted)
+        if exclude or untrusted:
+            for w in exclude | untrusted:
+                keep &= ~loads.bit(w)
+        view._init(loads, [(n, b & keep) for n, b in masks if b & keep], exclude, untrusted)
         return view
 
     def _init(
@@ -184,8 +184,9 @@ class PoolView:
         #: ``untrusted`` workers stay eligible but show no match: they compete on load alone
         self.masks = masks
         eligible = loads.member_bits()
-        for w in exclude:
-            eligible &= ~loads.bit(w)
+        if exclude:
+            for w in exclude:
+                eligible &= ~loads.bit(w)
         #: bits of the eligible workers
         self.eligible_bits = eligible
         self._levels = None

@@ -73,6 +73,7 @@ import math
 from collections.abc import Iterator
 from itertools import islice, repeat
 
+from gateway.routing.costmodel import RequestTerms
 from gateway.routing.policy import (
     CandidateScore,
     Decision,
@@ -157,9 +158,17 @@ class PredictedTTFT(Policy):
         if busy0 > 0:
             busy_at[0] = busy_at.get(0, 0) + busy0
 
-        terms = {m: cost.request_terms(prompt - m) for m in {0, *idle_at, *busy_at}}
-        floors = {m: cw * t.prefill * scale for m, t in terms.items()}
-        bases = {m: t.chunked * scale + floors[m] for m, t in terms.items()}
+        # per match length: the request's cost terms, its compute floor (cw x prefill) and
+        # base (its own chunked prefill + floor: a busy worker's score minus its queue)
+        terms: dict[int, RequestTerms] = {}
+        floors: dict[int, float] = {}
+        bases: dict[int, float] = {}
+        request_terms = cost.request_terms
+        for m in (0, *idle_at, *busy_at):
+            if m not in terms:
+                rt = terms[m] = request_terms(prompt - m)
+                f = floors[m] = cw * rt.prefill * scale
+                bases[m] = rt.chunked * scale + f
 
         # A LoRA request costs an adapter load where the adapter is not loaded: an idle
         # worker without it is worse than one with it at the same match, so a level keeps
@@ -191,6 +200,14 @@ class PredictedTTFT(Policy):
         step = steps * cost.max_decode_step_ms() * scale if steps else 0.0
         limit = best + max(tie_ms, best * tie_ratio)
         reach = limit + step
+        if busy_at and not explain:
+            # a level whose base plus the lowest bound in the pool is past ``reach`` has no
+            # worker that can be scored (bounds only grow along the scan, ``reach`` only
+            # shrinks): finished before the scan starts, so its busy holders are not visited
+            lowest = next(pool.busy_by_key(), None)
+            floor = lowest[0] * scale if lowest is not None else float("inf")
+            for m in [m for m in busy_at if bases[m] + floor > reach]:
+                del busy_at[m]
         min_base = min((bases[m] for m in busy_at), default=float("inf"))
         scored_at: dict[int, int] = {}
         cap = self.max_scored if not explain else 0
@@ -202,7 +219,7 @@ class PredictedTTFT(Policy):
         # scan does not step over the many busy workers of finished levels (see _narrow).
         total = dict(busy_at)
         source = None if explain else _narrow(levels, busy_at, total, idle_all, pool, None)
-        if source is None:
+        if source is None and (busy_at or explain):
             source = pool.busy_by_key()
         while source is not None:
             it, source = source, None
@@ -217,14 +234,16 @@ class PredictedTTFT(Policy):
                     continue
                 n = scored_at.get(m, 0) + 1
                 scored_at[m] = n
-                if left and n != cap:
+                score = explain or bases[m] + bound <= reach
+                if left and n != cap and score:
                     busy_at[m] = left
-                else:  # later workers of this length have larger bounds: they could only tie
+                else:  # later workers of this length have larger bounds: they could only
+                    # tie (cap reached), or cannot be scored at all (past ``reach``)
                     del busy_at[m]
                     min_base = min((bases[x] for x in busy_at), default=float("inf"))
                     if not explain:
                         source = _narrow(levels, busy_at, total, idle_all, pool, entry)
-                if explain or bases[m] + bound <= reach:
+                if score:
                     # cost.ttft_after(own_prefill(prompt - m), queued, running, kv), memoised
                     v = view(w)
                     lt = load_terms(v.queued_prefill_tokens, v.running, v.kv_usage)
@@ -347,18 +366,24 @@ class PredictedTTFT(Policy):
         request cold, and only while ``pick`` is busy. Either way, while ``pick`` is still
         prefilling the prefix (``_spill``) the request itself goes to a non-holder when
         that is no slower (``ttft``: ``pick``'s prediction)."""
-        if not pool.levels:
+        if not pool.masks:
             return None
-        depth, holders = pool.levels[0]
-        if pick not in holders or depth > len(request.keys):
+        depth, held = pool.masks[0]
+        if not held & pool.loads.bit(pick) or depth > len(request.keys):
             return None
-        if not self.warmup and pool.view(pick).idle:
+        v = pool.view(pick)
+        if not self.warmup and v.idle:
             return None
+        queued = v.queued_prefill_tokens
         key = request.keys[depth - 1]
         now = ctx.now
         pop = ctx.popularity
-        cost = ctx.cost
         tokens = request.matched_tokens(depth)
+        # neither an onset to spill (``_spill``'s first test) nor sustained demand (below)
+        if queued < tokens and pop.weight(key, now) + 1.5 < self.min_requests:
+            return None
+        holders = pool.levels[0][1]
+        cost = ctx.cost
         prefill = cost.chunked_prefill_ms(tokens) * cost.scale
         book = ctx.warmups
         warming = book.pending(key, holders, now) if self.warmup else []
