@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.contract.wire import EngineReport
+from gateway.routing.adapters import AdapterCatalog
 from gateway.routing.costmodel import CostModel, CostParams
 from gateway.routing.keys import BlockKeyer
 from gateway.routing.load import LoadTracker
@@ -424,6 +425,30 @@ def test_busy_workers_within_one_engine_step_take_turns(step_ties: float) -> Non
         assert gap > max(pol.tie_ms, scores["w1"] * pol.tie_ratio)  # not a plain near-tie
         assert (gap <= window) == expect_turns, (gap, window)
         assert d.worker == ("w0" if expect_turns else "w1")
+
+
+@pytest.mark.parametrize("step_ties", [0.0, 1.0])
+def test_an_idle_worker_paying_the_adapter_load_leaves_busy_step_ties(step_ties: float) -> None:
+    """The step window is skipped only when an idle worker has the top match at no extra
+    cost (it is then the best, whatever busy workers tie). An idle worker that would load
+    the request's LoRA adapter is not that: two busy workers with the adapter, under one
+    step apart, still take turns with ``step_ties: 1``."""
+    r = Router(
+        make_policy("ttft", step_ties=step_ties),
+        BS,
+        rng=random.Random(1),
+        adapters=AdapterCatalog(("sql",)),
+    )
+    for w in WORKERS[:3]:
+        r.add_worker(w)
+    for w in ("w0", "w1"):
+        r.adapters.report(w, ["sql"], slots=2)
+    r.loads.started("w0", 100 + 250, now=0.0)  # w0: a little more pending, waited longest
+    r.loads.started("w1", 100, now=1.0)
+    d = r.route([], 64, now=2.0, adapter="sql", explain=True)
+    scores = {c.worker: c.score for c in d.candidates}
+    assert scores["w2"] > scores["w0"] > scores["w1"]  # the idle one pays the adapter load
+    assert r.route([], 64, now=2.0, adapter="sql").worker == ("w0" if step_ties else "w1")
 
 
 def test_predicted_reuse_stops_before_the_prompts_last_token() -> None:

@@ -196,7 +196,17 @@ class PredictedTTFT(Policy):
         scored: list[tuple[float, str, int, float]] = []
         # step_ties: same-match busy workers within that many decode steps tie (see the
         # module docstring); the scan goes that much further so every such worker is scored.
-        steps = self.step_ties or (self.hot_step_ties if self._hot(request, pool, ctx) else 0.0)
+        # When the longest match present has idle workers (and they pay no adapter load),
+        # one of them is the best score and the decision goes to that idle group with its
+        # near ties: the step window, which widens ties among busy workers only when no idle
+        # worker has the top match, cannot apply, so the scan need not reach that far.
+        deepest = max(idle_at.keys() | busy_at.keys())
+        if deepest in idle_at and deepest not in idle_pen:
+            steps = 0.0
+        else:
+            steps = self.step_ties or (
+                self.hot_step_ties if self._hot(request, pool, ctx) else 0.0
+            )
         step = steps * cost.max_decode_step_ms() * scale if steps else 0.0
         limit = best + max(tie_ms, best * tie_ratio)
         reach = limit + step
