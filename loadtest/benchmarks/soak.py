@@ -108,6 +108,18 @@ def _growth(values: list[float], start: int) -> float:
     return (sum(tail) / len(tail)) / base - 1.0 if base else 0.0
 
 
+def _floor_growth(values: list[float], start: int) -> float:
+    """How far the floor rose after the warm-up: the least value of the last fifth minus the
+    least of the first fifth. Descriptors are mostly connections in flight, which follow
+    the momentary concurrency (higher for a while when the machine is slow); a leak raises
+    the floor under them, concurrency only the peaks."""
+    after = values[start:]
+    if len(after) < 2:
+        return 0.0
+    k = max(1, len(after) // 5)
+    return min(after[-k:]) - min(after[:k])
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     duration = args.minutes * 60.0
     turns = 4.5
@@ -163,16 +175,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for n in names:
         rss = [s["rss_mb"][n] for s in samples if n in s["rss_mb"]]
         fds = [float(s["fds"][n]) for s in samples if n in s["fds"]]
-        g_rss, g_fds = _growth(rss, start), _growth(fds, start)
-        # descriptors: pooled connections come and go, so a couple either way is not a leak
-        fd_slack = 2.0 / max(1.0, fds[start] if start < len(fds) else fds[-1])
+        g_rss = _growth(rss, start)
+        # descriptors: the floor under the connections in flight, with a couple either way
+        # (pooled connections come and go) not a leak
+        fd_rise = _floor_growth(fds, start)
+        floor = min(fds[start:]) if start < len(fds) else fds[-1]
+        g_fds = max(0.0, fd_rise - 2.0) / max(1.0, floor)
         if n != "sim":
-            worst = max(worst, g_rss, g_fds - fd_slack)
+            worst = max(worst, g_rss, g_fds)
         procs[n] = {
             "rss_mb_start": rss[start] if start < len(rss) else None,
             "rss_mb_end": rss[-1],
             "rss_growth": round(g_rss, 4),
             "fds_end": int(fds[-1]),
+            "fds_max": int(max(fds)),
+            "fd_floor_rise": int(fd_rise),
             "fd_growth": round(g_fds, 4),
         }
     blocks = [s["index_blocks"] for s in samples]

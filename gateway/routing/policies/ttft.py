@@ -204,9 +204,7 @@ class PredictedTTFT(Policy):
         if deepest in idle_at and deepest not in idle_pen:
             steps = 0.0
         else:
-            steps = self.step_ties or (
-                self.hot_step_ties if self._hot(request, pool, ctx) else 0.0
-            )
+            steps = self.step_ties or (self.hot_step_ties if self._hot(request, pool, ctx) else 0.0)
         step = steps * cost.max_decode_step_ms() * scale if steps else 0.0
         limit = best + max(tie_ms, best * tie_ratio)
         reach = limit + step
