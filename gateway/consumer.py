@@ -448,7 +448,7 @@ class Consumer:
                 self.stats.workers_added += 1
                 self._emit("added", w)
                 changed = True
-            elif old != info:
+            elif old is not info and old != info:  # the bus reuses an unchanged record
                 self._infos[w] = info
                 if info.epoch != old.epoch and w in self.applier.cursors:
                     self.applier.new_epoch(w, info.epoch)

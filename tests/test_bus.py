@@ -89,6 +89,29 @@ async def test_registry_and_reports(bus: EventBus) -> None:
     assert await bus.read_reports(["w1"]) == {}
 
 
+async def test_registry_reads_decode_only_what_changed(redis_server: RedisServer) -> None:
+    """An unchanged registration is the same record on every poll (not decoded again); a
+    changed one is read anew, garbage is skipped, and a worker gone is forgotten."""
+    bus = RedisBus(redis_server.url, prefix="t:")
+    try:
+        info = WorkerInfo("w1", "http://x", "m", epoch=1)
+        await bus.register(info, ttl=5)
+        first = (await bus.workers())["w1"]
+        again = (await bus.workers())["w1"]
+        assert first == info and again is first
+        await bus.register(WorkerInfo("w1", "http://x", "m", epoch=2), ttl=5)  # agent restart
+        assert (await bus.workers())["w1"].epoch == 2
+        r = redis.Redis.from_url(redis_server.url)
+        r.set(bus.layout.worker("w1"), b"{not json")
+        assert await bus.workers() == {}  # garbage: skipped, not the last good record
+        await bus.register(info, ttl=5)
+        assert (await bus.workers())["w1"] == info
+        await bus.deregister("w1")
+        assert await bus.workers() == {} and bus._registrations == {}
+    finally:
+        await bus.close()
+
+
 async def test_garbage_entry_reads_as_none(redis_server: RedisServer) -> None:
     bus = RedisBus(redis_server.url, prefix="t:")
     try:
