@@ -243,6 +243,41 @@ async def test_cluster_read_drops_what_was_read_from_a_stale_position(
         await writer.close()
 
 
+async def test_idle_cluster_groups_are_not_re_read_every_call(redis_cluster: LocalCluster) -> None:
+    """A group's read stays in flight with a server-side block of ``_GROUP_BLOCK_MS``, so
+    100 ms calls over idle streams do not re-issue every group's XREAD each time (it was
+    600 XREADs a second over 60 groups); an entry still wakes its group's read at once."""
+    writer = RedisBus(redis_cluster.url, cluster=True)
+    bus = RedisBus(redis_cluster.url, cluster=True)
+    sent: list[int] = []
+    real = bus._xread_slot
+
+    async def counted(slot: int, *args: Any) -> Any:
+        sent.append(slot)
+        return await real(slot, *args)
+
+    bus._xread_slot = counted  # type: ignore[method-assign]
+    try:
+        positions = {w: "0" for w in WORKERS}  # empty streams, one group each (3 shards)
+        groups = {key_slot(bus.layout.stream(w).encode()) for w in WORKERS}
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        calls = 0
+        while loop.time() - start < 1.5:
+            assert await bus.read(positions, block_ms=100) == []
+            calls += 1
+        assert calls >= 10  # each call waited ~100 ms
+        # each group read at most twice in 1.5 s (block 1 s), not once per call
+        assert len(sent) <= 2 * len(groups), (len(sent), len(groups), calls)
+        await writer.append(WORKERS[0], [Entry(1, 1, 1, 0.0, 0.0, [], [])])
+        woke = loop.time()
+        got = await bus.read(positions, block_ms=2000)
+        assert [r.worker for r in got] == [WORKERS[0]] and loop.time() - woke < 0.5
+    finally:
+        await bus.close()
+        await writer.close()
+
+
 @contextlib.asynccontextmanager
 async def _fleet(url: str, **bus_opts: Any) -> AsyncIterator[tuple[Any, list[Any], list[Any]]]:
     """A consumer and one agent (with its fake engine) per worker of ``WORKERS``."""
