@@ -197,6 +197,10 @@ def _id_after(a: str, b: str) -> bool:
 # -- the service -----------------------------------------------------------------------------
 
 
+#: load reports applied per event-loop step (``Consumer._update_reports``)
+_REPORTS_PER_STEP = 256
+
+
 @dataclass
 class ConsumerConfig:
     read_count: int = 500  # entries per stream per XREAD (bounds one apply step)
@@ -432,7 +436,7 @@ class Consumer:
                 self._update_registry(infos)
                 self._polled = True
                 reports = await self.bus.read_reports(sorted(self._infos))
-                self._update_reports(reports)
+                await self._update_reports(reports)
                 self._bus_ok()
             except BusError as exc:
                 self._bus_failed(exc)
@@ -469,8 +473,13 @@ class Consumer:
             self.changed.set()
             self._wake.set()
 
-    def _update_reports(self, reports: dict[str, EngineReport]) -> None:
-        for w, rep in reports.items():
+    async def _update_reports(self, reports: dict[str, EngineReport]) -> None:
+        """Hand new reports to the listeners (each pool's load tracker), yielding to the
+        event loop every ``_REPORTS_PER_STEP``: a fleet's reports arrive every poll, and
+        applying thousands at once would stall the requests this loop also serves."""
+        for i, (w, rep) in enumerate(reports.items()):
+            if i and not i % _REPORTS_PER_STEP:
+                await asyncio.sleep(0)  # let requests run between chunks
             if self._reports.get(w) != rep:
                 self._reports[w] = rep
                 self._emit("report", w)

@@ -306,3 +306,32 @@ async def test_consumer_drops_old_epoch_on_agent_restart() -> None:
         await wait_until(lambda: c.index.worker_keys("w") == {7}, 5, "new epoch")
         await wait_until(lambda: c.stats.apply.entries_stale == 1, 5, "stale dropped")
         assert c.index.worker_keys("w") == {7}
+
+
+async def test_a_fleets_reports_are_applied_in_steps_that_let_requests_run() -> None:
+    """Thousands of load reports per poll are handed to the listeners in chunks, yielding to
+    the event loop between them, so a large fleet's poll does not stall the requests the
+    same loop serves; every changed report still reaches the listeners once."""
+    consumer = Consumer(MemoryBus(), ShadowIndex())
+    seen: list[str] = []
+    consumer.subscribe(lambda kind, w: seen.append(w) if kind == "report" else None)
+    reports = {f"w{i:04d}": EngineReport(running=i % 3, ts=1.0) for i in range(1000)}
+    ticks = 0
+
+    async def other_work() -> None:  # stands for the requests served by the same loop
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other_work())
+    await asyncio.sleep(0)  # the other work has started
+    before = ticks
+    await consumer._update_reports(reports)
+    during = ticks - before
+    task.cancel()
+    assert during >= 3  # 1,000 reports in steps of 256: the loop ran between them
+    assert sorted(seen) == sorted(reports)
+    seen.clear()
+    await consumer._update_reports(reports)  # nothing changed: nothing emitted
+    assert seen == []
