@@ -52,6 +52,8 @@ def test_index(capsys: pytest.CaptureFixture[str]) -> None:
     # the old path (eager keys) in the same run
     assert 0 < r["keys_p50_us"] < r["route_eager_p50_us"] <= r["route_eager_p99_us"]
     assert 0 < r["decide_p50_us"] < r["route_eager_p50_us"]
+    # the same decisions replayed back to back (warm caches), cold and follow-up
+    assert r["decide_back_to_back_p50_us"] > 0 and r["decide_back_to_back_followup_p50_us"] > 0
     assert r["lazy_vs_eager_p50"] > 0 and r["lazy_vs_eager_followup_p50"] > 0
     assert 0 < r["keys_followup_p50_us"] < r["keys_p50_us"]
     assert 0 < r["route_followup_p50_us"] <= r["route_followup_p99_us"]
