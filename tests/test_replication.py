@@ -315,10 +315,13 @@ def test_no_cold_onset_when_the_holder_is_busy_with_other_work() -> None:
     assert (d.worker, d.reason) == ("w0", "cache")
 
 
-def test_a_busy_worker_with_only_decodes_is_warmed_beside_a_queued_holder() -> None:
+def test_a_busy_newcomer_takes_the_request_cold_instead_of_a_warmup() -> None:
     """No worker is idle: the holder has a 6,000-token prefill queued, the other only four
     sequences decoding. The other is the lighter one (a shorter predicted wait, though more
-    sequences run there), so the hot prefix's new holder is warmed there."""
+    sequences run there), so it becomes the hot prefix's new holder, but not by a warm-up:
+    on a busy engine a warm-up takes a whole prefix prefill of engine time that serves no
+    request (and requests sent there meanwhile compute the prefix again), so this request
+    goes there cold itself, as round robin would send it (reason ``replicate``)."""
     r = Router(make_policy("ttft"), BS, rng=random.Random(11))
     prefix = ids(13, 6000)
     pkeys = KEYER.keys(prefix)
@@ -333,8 +336,28 @@ def test_a_busy_worker_with_only_decodes_is_warmed_beside_a_queued_holder() -> N
         r.ctx.popularity.observe(pkeys[-1], i * 0.05)
     toks = prefix + ids(130, 64)
     d = r.route(KEYER.keys(toks), len(toks), now=2.0)
+    assert (d.worker, d.reason, d.matched_tokens) == ("b", "replicate", 0)
+    assert r.ctx.warmups.drain() == [] and r.ctx.warmups.asked == 0
+
+
+def test_an_idle_holder_serves_the_request_while_a_busy_newcomer_waits() -> None:
+    """The holder is idle: it serves the request from cache at once, and the busy
+    non-holder is neither warmed nor sent the request cold."""
+    r = Router(make_policy("ttft"), BS, rng=random.Random(11))
+    prefix = ids(13, 6000)
+    pkeys = KEYER.keys(prefix)
+    for w in ("a", "b"):
+        r.add_worker(w)
+        r.index.add_worker(w)
+    r.index.stored("a", None, pkeys)
+    for _ in range(4):
+        r.loads.first_token(r.loads.started("b", 100, 0.0))
+    for i in range(40):
+        r.ctx.popularity.observe(pkeys[-1], i * 0.05)
+    toks = prefix + ids(130, 64)
+    d = r.route(KEYER.keys(toks), len(toks), now=2.0)
     assert (d.worker, d.reason) == ("a", "cache")
-    assert [i.worker for i in r.ctx.warmups.drain()] == ["b"]
+    assert r.ctx.warmups.asked == 0
 
 
 def test_busy_holders_of_a_hot_prefix_take_turns() -> None:

@@ -373,10 +373,17 @@ class PredictedTTFT(Policy):
         if have >= need:
             return None
         target = self._newcomer(pool, ctx, pick, {*holders, *warming})
-        if target is None or not self.warmup:
-            return target
-        book.want(WarmupIntent(target, key, depth, tokens, now))
-        return None
+        if target is None:
+            return None
+        if self.warmup and pool.view(target).idle:
+            book.want(WarmupIntent(target, key, depth, tokens, now))
+            return None
+        # A busy newcomer is not warmed: its warm-up would take a whole prefix prefill of
+        # engine time that serves no request, and requests sent there meanwhile (the
+        # index's speculative entry) are admitted before it ends and compute the prefix
+        # again. This request goes there cold instead, as without warm-ups, if ``pick``
+        # is busy too (an idle holder serves it at once).
+        return None if pool.view(pick).idle else target
 
     def _hot(self, request: RouteRequest, pool: PoolView, ctx: PolicyContext) -> bool:
         """Whether the longest match is a prefix replicated for its demand: held by several
