@@ -32,12 +32,17 @@ prefix arriving at ``r`` requests/s whose cold prefill takes ``p`` ms warrants
 second), following the decayed rate up and down. Only sustained demand counts
 (``min_requests`` recent requests, decayed): a burst of siblings sharing a new prefix stays
 together, as speculation intends. When the prefix has fewer holders (and warm-ups under way)
-than it warrants, the policy asks for a warm-up of the least loaded non-holder (an idle one
-at random if any) and routes the request as usual: the gateway sends that worker the prefix
-alone with one output token, off the request path, and traffic moves there once the index
-shows the prefix (reason ``cache`` or ``balance`` then). With ``warmup: false`` the request
-itself goes to the non-holder instead, cold (reason ``replicate``), when the best holder is
-busy. At a hot prefix's onset, while its holder is still prefilling it (the index's match is
+than it warrants, the new holder is an idle non-holder at random, else the least loaded busy
+one if it is lighter than the best holder. An idle one is warmed: the policy asks for a
+warm-up and routes the request as usual; the gateway sends that worker the prefix alone with
+one output token, off the request path, and traffic moves there once the index shows the
+prefix (reason ``cache`` or ``balance`` then). A busy one is not warmed (a warm-up would take
+a whole prefix prefill of its engine time that serves no request, and requests sent there
+meanwhile would compute the prefix again): the request itself goes there cold (reason
+``replicate``) when the best holder is busy too, as round robin would send it; on the
+``hot-sudden`` preset past capacity, warming busy workers put kvroute's p50 at 1.3x round
+robin's (offline, docs/benchmarks.md). With ``warmup: false`` no worker is warmed: an idle
+newcomer too gets the request cold when the best holder is busy. At a hot prefix's onset, while its holder is still prefilling it (the index's match is
 only speculative), a request that would wait there goes cold to a non-holder (reason
 ``replicate``) if it is predicted no slower there and the demand counting it warrants
 another holder: round robin spreads the first cold prefills over the workers at once, and
@@ -342,9 +347,9 @@ class PredictedTTFT(Policy):
     ) -> str | None:
         """Grow a hot prefix's holder set if its demand warrants more holders than it has.
 
-        With ``warmup`` the new holder is asked for in ``ctx.warmups`` and None is returned
-        (the request goes to ``pick``); without, the non-holder is returned to receive this
-        request cold, and only while ``pick`` is busy. Either way, while ``pick`` is still
+        With ``warmup`` an idle new holder is asked for in ``ctx.warmups`` and None is
+        returned (the request goes to ``pick``); a busy one (and, without ``warmup``, any)
+        is returned to receive this request cold, and only while ``pick`` is busy. Either way, while ``pick`` is still
         prefilling the prefix (``_spill``) the request itself goes to a non-holder when
         that is no slower (``ttft``: ``pick``'s prediction)."""
         if not pool.levels:
