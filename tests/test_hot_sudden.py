@@ -4,11 +4,11 @@ The ``hot-sudden`` preset's own stream (seed 0, 2 workers, seed-70b timing at ha
 4,096 blocks each), retimed as ``kvroute loadtest compare --duration 20`` sends it at load
 0.8 of the 13.5 req/s that command estimates. Two workers sustain only about 9 req/s of this
 window (the same p99 criterion as load 1.0, docs/benchmarks.md), so both routers build a
-backlog of seconds; kvroute must still be no worse than round robin. Before warm-ups were
-limited to idle workers, kvroute warmed a busy worker with the hot prefix: a 6,000-token
-prefill serving no request on an engine that was already behind, with the requests sent
-there meanwhile computing the prefix again (p50 6.7 s against round robin's 5.2 s here; the
-live runs showed the same, 5.6-5.8 s against 5.2-5.3 s).
+backlog of seconds; kvroute must still be no worse than round robin. It was worse while it
+warmed a busy worker with the hot prefix at its onset (before any holder had computed it): a
+6,000-token prefill serving no request on an engine already behind, and the requests sent
+there meanwhile were admitted before it was done and computed the prefix again (p50 6.7 s
+against round robin's 5.2 s here; the live runs showed the same, 5.6-5.8 s against 5.2-5.3 s).
 """
 
 from __future__ import annotations

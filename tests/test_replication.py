@@ -195,7 +195,8 @@ def test_a_hot_prefix_is_warmed_not_spilled() -> None:
     d = r.route(KEYER.keys(first), len(first), now=-1.0)
     assert d.predicted_ttft_ms is not None
     done = -1.0 + d.predicted_ttft_ms / 1000.0  # as predicted: the calibration stays at 1
-    r.first_token(r.started(d, len(first), now=-1.0), now=done)  # the prefix is computed
+    r.first_token(r.started(d, len(first), now=-1.0), now=done)
+    r.index.stored(d.worker, None, KEYER.keys(prefix))  # the engine reports it computed
     reasons = hot_stream(r, 30, 0.05)
     assert "replicate" not in reasons
     book = r.ctx.warmups
@@ -315,13 +316,10 @@ def test_no_cold_onset_when_the_holder_is_busy_with_other_work() -> None:
     assert (d.worker, d.reason) == ("w0", "cache")
 
 
-def test_a_busy_newcomer_takes_the_request_cold_instead_of_a_warmup() -> None:
+def test_a_busy_worker_with_only_decodes_is_warmed_beside_a_queued_holder() -> None:
     """No worker is idle: the holder has a 6,000-token prefill queued, the other only four
     sequences decoding. The other is the lighter one (a shorter predicted wait, though more
-    sequences run there), so it becomes the hot prefix's new holder, but not by a warm-up:
-    on a busy engine a warm-up takes a whole prefix prefill of engine time that serves no
-    request (and requests sent there meanwhile compute the prefix again), so this request
-    goes there cold itself, as round robin would send it (reason ``replicate``)."""
+    sequences run there), so the hot prefix's new holder is warmed there."""
     r = Router(make_policy("ttft"), BS, rng=random.Random(11))
     prefix = ids(13, 6000)
     pkeys = KEYER.keys(prefix)
@@ -336,28 +334,36 @@ def test_a_busy_newcomer_takes_the_request_cold_instead_of_a_warmup() -> None:
         r.ctx.popularity.observe(pkeys[-1], i * 0.05)
     toks = prefix + ids(130, 64)
     d = r.route(KEYER.keys(toks), len(toks), now=2.0)
-    assert (d.worker, d.reason, d.matched_tokens) == ("b", "replicate", 0)
-    assert r.ctx.warmups.drain() == [] and r.ctx.warmups.asked == 0
+    assert (d.worker, d.reason) == ("a", "cache")
+    assert [i.worker for i in r.ctx.warmups.drain()] == ["b"]
 
 
-def test_an_idle_holder_serves_the_request_while_a_busy_newcomer_waits() -> None:
-    """The holder is idle: it serves the request from cache at once, and the busy
-    non-holder is neither warmed nor sent the request cold."""
+def test_at_the_onset_a_busy_newcomer_takes_the_request_cold_not_a_warmup() -> None:
+    """The hot prefix's only holder is still computing it (its match is speculative) and no
+    worker is idle: the other has 3,000 tokens of someone else's prefill queued, so a cold
+    request there is predicted slower than waiting for the holder (no onset spill), but it
+    is the lighter worker, so it becomes the new holder. Not by a warm-up: beside the
+    holder's prefill that computes the prefix a second time for nobody, and the requests
+    the index then sends there are admitted while it is still being chunked and compute it
+    once more (hot-sudden past capacity: p50 1.3x round robin's). This request goes there
+    cold itself, as round robin would send it."""
     r = Router(make_policy("ttft"), BS, rng=random.Random(11))
     prefix = ids(13, 6000)
     pkeys = KEYER.keys(prefix)
     for w in ("a", "b"):
         r.add_worker(w)
         r.index.add_worker(w)
-    r.index.stored("a", None, pkeys)
-    for _ in range(4):
-        r.loads.first_token(r.loads.started("b", 100, 0.0))
-    for i in range(40):
+    for i in range(40):  # 20 req/s of the prefix: more holders warranted
         r.ctx.popularity.observe(pkeys[-1], i * 0.05)
+    r.loads.started("b", 3000, 2.0)  # someone else's prompt, queued
+    first = prefix + ids(129, 64)
+    d0 = r.route(KEYER.keys(first), len(first), now=2.0)
+    r.started(d0, len(first), now=2.0)
+    assert (d0.worker, d0.reason) == ("a", "cold")  # the idle one; computing it now
     toks = prefix + ids(130, 64)
-    d = r.route(KEYER.keys(toks), len(toks), now=2.0)
-    assert (d.worker, d.reason) == ("a", "cache")
-    assert r.ctx.warmups.asked == 0
+    d = r.route(KEYER.keys(toks), len(toks), now=2.01)
+    assert (d.worker, d.reason, d.matched_tokens) == ("b", "replicate", 0)
+    assert r.ctx.warmups.drain() == [] and r.ctx.warmups.asked == 0
 
 
 def test_busy_holders_of_a_hot_prefix_take_turns() -> None:
