@@ -148,8 +148,12 @@ def trace(cfg: CompareConfig, policy: str, rate: float, seed: int) -> None:
         print(f"{i:5d} {at:8.3f} {first[i]:>8s} {worker:>9s} {reason:>9s} {shown:7d} {ttft}"
               f" {cached:6d} {queues}")  # fmt: skip
     t = _window_ttfts(res, warmup)
+    eng = res.engine
     print(f"p50 {np.percentile(t, 50):.0f} ms, p99 {np.percentile(t, 99):.0f} ms, "
-          f"hit rate {res.hit_rate:.4f}, warm-ups {res.engine['warmups']}")  # fmt: skip
+          f"hit rate {res.hit_rate:.4f}, warm-ups {eng['warmups']} "
+          f"({eng['warmup_tokens']} tokens), uncached prompt tokens computed "
+          f"{eng['engine_prompt_tokens'] - eng['engine_cached_tokens']}, "
+          f"last event at {res.duration:.1f} s")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import pytest
 
 from loadtest import cli
 from loadtest.clustersim import ClusterConfig, SimResult, simulate
@@ -58,3 +59,18 @@ def test_a_sudden_hot_prefix_past_capacity_is_no_worse_than_round_robin() -> Non
     assert np.percentile(kv_ttft, 50) <= np.percentile(rr_ttft, 50)
     assert np.percentile(kv_ttft, 99) <= np.percentile(rr_ttft, 99)
     assert kv.hit_rate >= rr.hit_rate - 0.005
+
+
+def test_presettrace_traces_every_request_of_the_window(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m loadtest.presettrace --trace``: one line per request of the window, in
+    arrival order, the hot prefix from request 40 on, and the run's summary."""
+    from loadtest import presettrace
+
+    assert presettrace.main(["--duration", "6", "--trace", "8", "--policies", "ttft"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out if line[:5].strip().isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(len(rows))) and len(rows) > 40
+    assert "hot" not in {r[2] for r in rows[:40]}
+    assert "hot" in {r[2] for r in rows[40:]}
+    assert all(r[3] in ("worker-0", "worker-1") for r in rows)
+    assert out[-1].startswith("p50 ") and "warm-ups" in out[-1]
