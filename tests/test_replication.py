@@ -195,7 +195,8 @@ def test_a_hot_prefix_is_warmed_not_spilled() -> None:
     d = r.route(KEYER.keys(first), len(first), now=-1.0)
     assert d.predicted_ttft_ms is not None
     done = -1.0 + d.predicted_ttft_ms / 1000.0  # as predicted: the calibration stays at 1
-    r.first_token(r.started(d, len(first), now=-1.0), now=done)  # the prefix is computed
+    r.first_token(r.started(d, len(first), now=-1.0), now=done)
+    r.index.stored(d.worker, None, KEYER.keys(prefix))  # the engine reports it computed
     reasons = hot_stream(r, 30, 0.05)
     assert "replicate" not in reasons
     book = r.ctx.warmups
@@ -335,6 +336,34 @@ def test_a_busy_worker_with_only_decodes_is_warmed_beside_a_queued_holder() -> N
     d = r.route(KEYER.keys(toks), len(toks), now=2.0)
     assert (d.worker, d.reason) == ("a", "cache")
     assert [i.worker for i in r.ctx.warmups.drain()] == ["b"]
+
+
+def test_at_the_onset_a_busy_newcomer_takes_the_request_cold_not_a_warmup() -> None:
+    """The hot prefix's only holder is still computing it (its match is speculative) and no
+    worker is idle: the other has 3,000 tokens of someone else's prefill queued, so a cold
+    request there is predicted slower than waiting for the holder (no onset spill), but it
+    is the lighter worker, so it becomes the new holder. Not by a warm-up: beside the
+    holder's prefill that computes the prefix a second time for nobody, and the requests
+    the index then sends there are admitted while it is still being chunked and compute it
+    once more (hot-sudden past capacity: p50 1.3x round robin's). This request goes there
+    cold itself, as round robin would send it."""
+    r = Router(make_policy("ttft"), BS, rng=random.Random(11))
+    prefix = ids(13, 6000)
+    pkeys = KEYER.keys(prefix)
+    for w in ("a", "b"):
+        r.add_worker(w)
+        r.index.add_worker(w)
+    for i in range(40):  # 20 req/s of the prefix: more holders warranted
+        r.ctx.popularity.observe(pkeys[-1], i * 0.05)
+    r.loads.started("b", 3000, 2.0)  # someone else's prompt, queued
+    first = prefix + ids(129, 64)
+    d0 = r.route(KEYER.keys(first), len(first), now=2.0)
+    r.started(d0, len(first), now=2.0)
+    assert (d0.worker, d0.reason) == ("a", "cold")  # the idle one; computing it now
+    toks = prefix + ids(130, 64)
+    d = r.route(KEYER.keys(toks), len(toks), now=2.01)
+    assert (d.worker, d.reason, d.matched_tokens) == ("b", "replicate", 0)
+    assert r.ctx.warmups.drain() == [] and r.ctx.warmups.asked == 0
 
 
 def test_busy_holders_of_a_hot_prefix_take_turns() -> None:

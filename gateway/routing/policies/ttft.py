@@ -32,12 +32,18 @@ prefix arriving at ``r`` requests/s whose cold prefill takes ``p`` ms warrants
 second), following the decayed rate up and down. Only sustained demand counts
 (``min_requests`` recent requests, decayed): a burst of siblings sharing a new prefix stays
 together, as speculation intends. When the prefix has fewer holders (and warm-ups under way)
-than it warrants, the policy asks for a warm-up of the least loaded non-holder (an idle one
-at random if any) and routes the request as usual: the gateway sends that worker the prefix
-alone with one output token, off the request path, and traffic moves there once the index
-shows the prefix (reason ``cache`` or ``balance`` then). With ``warmup: false`` the request
-itself goes to the non-holder instead, cold (reason ``replicate``), when the best holder is
-busy. At a hot prefix's onset, while its holder is still prefilling it (the index's match is
+than it warrants, the new holder is an idle non-holder at random, else the least loaded busy
+one if it is lighter than the best holder, and it is warmed: the policy asks for a warm-up
+and routes the request as usual; the gateway sends that worker the prefix alone with one
+output token, off the request path, and traffic moves there once the index shows the prefix
+(reason ``cache`` or ``balance`` then). Not at the prefix's onset, while no holder has
+computed it yet: a warm-up then computes it a second time beside the holder's prefill,
+serving no request, and on a busy engine the requests the index sends there meanwhile are
+admitted before it is done and compute it once more (on the ``hot-sudden`` preset past
+capacity this put kvroute's p50 at 1.3x round robin's, docs/benchmarks.md); the request
+itself goes to the new holder cold instead (reason ``replicate``) when the best holder is
+busy, as round robin would send it. With ``warmup: false`` that is what always happens.
+At a hot prefix's onset, while its holder is still prefilling it (the index's match is
 only speculative), a request that would wait there goes cold to a non-holder (reason
 ``replicate``) if it is predicted no slower there and the demand counting it warrants
 another holder: round robin spreads the first cold prefills over the workers at once, and
@@ -369,9 +375,10 @@ class PredictedTTFT(Policy):
     ) -> str | None:
         """Grow a hot prefix's holder set if its demand warrants more holders than it has.
 
-        With ``warmup`` the new holder is asked for in ``ctx.warmups`` and None is returned
-        (the request goes to ``pick``); without, the non-holder is returned to receive this
-        request cold, and only while ``pick`` is busy. Either way, while ``pick`` is still
+        With ``warmup``, once a holder has computed the prefix, the new holder is asked for
+        in ``ctx.warmups`` and None is returned (the request goes to ``pick``); at the
+        onset, or without ``warmup``, the non-holder is returned to receive this request
+        cold, and only while ``pick`` is busy. Either way, while ``pick`` is still
         prefilling the prefix (``_spill``) the request itself goes to a non-holder when
         that is no slower (``ttft``: ``pick``'s prediction)."""
         if not pool.masks:
@@ -406,10 +413,18 @@ class PredictedTTFT(Policy):
         if have >= need:
             return None
         target = self._newcomer(pool, ctx, pick, {*holders, *warming})
-        if target is None or not self.warmup:
-            return target
-        book.want(WarmupIntent(target, key, depth, tokens, now))
-        return None
+        if target is None:
+            return None
+        if self.warmup and not self._none_computed(pool, ctx, pool.masks[0][1], key):
+            book.want(WarmupIntent(target, key, depth, tokens, now))
+            return None
+        # No warm-up at the prefix's onset (no holder has computed it yet): the warm-up
+        # would compute it a second time beside the holder's prefill, serving no request,
+        # and on a busy engine the requests the index then sends there (its speculative
+        # entry) are admitted while it is still being chunked and compute it again. This
+        # request goes there cold instead, as round robin would send it (and as without
+        # warm-ups), if ``pick`` is busy (an idle holder serves it at once).
+        return None if pool.view(pick).idle else target
 
     def _hot(self, request: RouteRequest, pool: PoolView, ctx: PolicyContext) -> bool:
         """Whether the longest match is a prefix replicated for its demand: held by several

@@ -1,0 +1,182 @@
+"""A compare preset's own stream in the offline cluster simulator, policy by policy.
+
+``python -m loadtest.presettrace --preset hot-sudden --duration 20 ...`` retimes the preset's
+requests exactly as ``kvroute loadtest compare`` sends them (``loadtest.compare.Stream``) and
+runs them through ``loadtest.clustersim`` on the preset's cluster (workers, KV blocks,
+timing, speed-up), to read a live cell offline:
+
+* ``--capacity``: load 1.0 as the compare command estimates it (the pooled-cache cluster),
+  and beside it the highest rate at which the N separate workers under each ``--policies``
+  meet the same criterion (p99 TTFT of the window <= ``capacity_ttft_factor`` x the cold
+  prefill p99 of the requests): how far the real cluster is from the yardstick.
+* ``--rates`` x ``--seeds``: TTFT p50 / p99 of the window for every policy, per workload
+  seed (seed 0 is the preset's stream), and the means.
+* ``--trace RATE``: one line per request for the first policy (seed ``--seed``): arrival,
+  the first segment's key (e.g. ``hot`` or a group's prefix), worker, reason, the policy's
+  predicted TTFT, the simulated TTFT, cached tokens, each engine's queued prompt tokens and
+  running sequences at the arrival; warm-ups as they are sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+
+from gateway.routing.replication import WarmupIntent
+from loadtest import cli
+from loadtest.clustersim import ClusterConfig, ClusterSim, SimResult, simulate
+from loadtest.compare import (
+    CompareConfig,
+    Stream,
+    kv_blocks_from_model,
+    neutral_capacity,
+    search_max_rate,
+)
+from loadtest.workloads import make_workload
+
+__all__ = ["main"]
+
+
+def _config(args: argparse.Namespace) -> CompareConfig:
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    argv = ["compare", "--preset", args.preset]
+    if args.duration:
+        argv += ["--duration", str(args.duration)]
+    return cli.compare_config(p.parse_args(argv))
+
+
+def _stream(cfg: CompareConfig, seed: int) -> Stream:
+    return Stream(make_workload(cfg.workload, seed=seed, **cfg.params), cfg.mode)
+
+
+def _cluster(cfg: CompareConfig, policy: str, seed: int) -> ClusterConfig:
+    return ClusterConfig(
+        workers=(cfg.prefill_workers or cfg.workers) * cfg.dp_size,
+        policy=policy,
+        kv_blocks=cfg.kv_blocks or kv_blocks_from_model(cfg),
+        block_size=cfg.block_size,
+        timing=cfg.timing,
+        speedup=cfg.speedup,
+        seed=seed,
+        slo_ttft_ms=cfg.slo_ttft_ms,
+    )
+
+
+def _window_ttfts(res: SimResult, warmup: float) -> np.ndarray:
+    arrival = np.frombuffer(res.table.arrival, dtype=np.float64)
+    return np.frombuffer(res.table.ttft, dtype=np.float64)[arrival >= warmup] * 1000.0
+
+
+def capacities(cfg: CompareConfig, policies: list[str]) -> dict[str, Any]:
+    stream = _stream(cfg, cfg.seed)
+    pooled = neutral_capacity(stream, cfg)
+    limit = pooled["limit_ms"]
+    out: dict[str, Any] = {"load_1.0": pooled["capacity_rps"], "limit_ms": limit}
+    for policy in policies:
+
+        def probe(rate: float, policy: str = policy) -> bool:
+            items, warmup = stream.window(rate, cfg.duration)
+            res = simulate(stream.arrivals(items), _cluster(cfg, policy, cfg.seed))
+            return float(np.percentile(_window_ttfts(res, warmup), 99)) <= limit
+
+        found = search_max_rate(probe, start=float(cfg.workers), max_probes=16, rel_tol=0.05)
+        out[policy] = found.rate
+    return out
+
+
+def sweep(cfg: CompareConfig, policies: list[str], rates: list[float], seeds: int) -> None:
+    for rate in rates:
+        per: dict[str, list[tuple[float, float]]] = {p: [] for p in policies}
+        for seed in range(seeds):
+            stream = _stream(cfg, seed)
+            items, warmup = stream.window(rate, cfg.duration)
+            arrivals = stream.arrivals(items)
+            for policy in policies:
+                t = _window_ttfts(simulate(arrivals, _cluster(cfg, policy, seed)), warmup)
+                per[policy].append((float(np.percentile(t, 50)), float(np.percentile(t, 99))))
+        for policy, xs in per.items():
+            a = np.array(xs)
+            print(f"rate {rate:6.2f} {policy:12s} p50 {' '.join(f'{x:6.0f}' for x in a[:, 0])}"
+                  f" mean {a[:, 0].mean():6.0f} | p99 {' '.join(f'{x:6.0f}' for x in a[:, 1])}"
+                  f" mean {a[:, 1].mean():6.0f}")  # fmt: skip
+
+
+class _Traced(ClusterSim):
+    """The simulator, noting each decision with the engines' state at the arrival."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        super().__init__(config)
+        self.notes: dict[int, tuple[Any, ...]] = {}
+
+    def _arrive(self, a: Any) -> None:
+        queues = [(w.core.waiting_prompt_tokens, w.core.num_running) for w in self.workers]
+        route = self.router.route
+
+        def noted(*args: Any, **kw: Any) -> Any:
+            d = route(*args, **kw)
+            self.notes[a.index] = (a.at, d.worker, d.reason, d.predicted_ttft_ms, queues)
+            return d
+
+        self.router.route = noted  # type: ignore[method-assign]
+        try:
+            super()._arrive(a)
+        finally:
+            del self.router.route
+
+    def _warm(self, intent: WarmupIntent, tokens: bytes, t: float) -> None:
+        print(f"  warm-up {intent.worker} {intent.tokens} tokens at {t:.3f} s")
+        super()._warm(intent, tokens, t)
+
+
+def trace(cfg: CompareConfig, policy: str, rate: float, seed: int) -> None:
+    stream = _stream(cfg, seed)
+    items, warmup = stream.window(rate, cfg.duration)
+    first = {it.index: it.segments[0].key for it in items}
+    sim = _Traced(_cluster(cfg, policy, seed))
+    res = sim.run(stream.arrivals(items))
+    rows = {int(r["index"]): r for r in res.table.rows()}
+    print("index arrival_s first_segment worker reason predicted_ms ttft_ms cached queues")
+    for i in sorted(sim.notes):
+        at, worker, reason, pred, queues = sim.notes[i]
+        r = rows.get(i)
+        ttft = f"{r['ttft'] * 1000:8.0f}" if r else "  failed"
+        cached = int(r["cached_tokens"]) if r else -1
+        shown = -1 if pred is None else round(pred)
+        print(f"{i:5d} {at:8.3f} {first[i]:>8s} {worker:>9s} {reason:>9s} {shown:7d} {ttft}"
+              f" {cached:6d} {queues}")  # fmt: skip
+    t = _window_ttfts(res, warmup)
+    eng = res.engine
+    print(f"p50 {np.percentile(t, 50):.0f} ms, p99 {np.percentile(t, 99):.0f} ms, "
+          f"hit rate {res.hit_rate:.4f}, warm-ups {eng['warmups']} "
+          f"({eng['warmup_tokens']} tokens), uncached prompt tokens computed "
+          f"{eng['engine_prompt_tokens'] - eng['engine_cached_tokens']}, "
+          f"last event at {res.duration:.1f} s")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.presettrace", description=__doc__)
+    p.add_argument("--preset", default="hot-sudden")
+    p.add_argument("--duration", type=float, help="measured seconds (default: the preset's)")
+    p.add_argument("--policies", default="ttft,round_robin")
+    p.add_argument("--capacity", action="store_true")
+    p.add_argument("--rates", help="req/s, comma-separated")
+    p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--trace", type=float, metavar="RATE")
+    p.add_argument("--seed", type=int, default=0, help="--trace: the workload's seed")
+    args = p.parse_args(argv)
+    cfg = _config(args)
+    policies = args.policies.split(",")
+    if args.capacity:
+        print(capacities(cfg, policies))
+    if args.rates:
+        sweep(cfg, policies, [float(x) for x in args.rates.split(",")], args.seeds)
+    if args.trace:
+        trace(cfg, policies[0], args.trace, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
