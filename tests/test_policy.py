@@ -428,6 +428,25 @@ def test_busy_workers_within_one_engine_step_take_turns(step_ties: float) -> Non
 
 
 @pytest.mark.parametrize("step_ties", [0.0, 1.0])
+def test_an_idle_worker_without_the_prefix_leaves_busy_step_ties(step_ties: float) -> None:
+    """The step window is skipped only when an idle worker has the *longest* match: an idle
+    worker that matches nothing (a cold prefill of 4,000 tokens) does not end it for two
+    busy holders of the prompt's prefix, under one step apart, which take turns."""
+    r = router(seed=1, step_ties=step_ties)
+    r.remove_worker("w3")
+    toks, keys = prompt(77, 4000)
+    for w in ("w0", "w1"):
+        r.index.stored(w, None, keys)
+    r.loads.started("w0", 100 + 250, now=0.0)  # w0: a little more pending, waited longest
+    r.loads.started("w1", 100, now=1.0)
+    ask = toks + [5] * 32
+    d = r.route(keys, len(ask), now=2.0, explain=True, dry_run=True)
+    scores = {c.worker: c.score for c in d.candidates}
+    assert scores["w2"] > scores["w0"] > scores["w1"]  # the idle one pays the cold prefill
+    assert r.route(keys, len(ask), now=2.0, dry_run=True).worker == ("w0" if step_ties else "w1")
+
+
+@pytest.mark.parametrize("step_ties", [0.0, 1.0])
 def test_an_idle_worker_paying_the_adapter_load_leaves_busy_step_ties(step_ties: float) -> None:
     """The step window is skipped only when an idle worker has the top match at no extra
     cost (it is then the best, whatever busy workers tie). An idle worker that would load

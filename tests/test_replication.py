@@ -316,22 +316,29 @@ def test_no_cold_onset_when_the_holder_is_busy_with_other_work() -> None:
     assert (d.worker, d.reason) == ("w0", "cache")
 
 
-def test_a_busy_worker_with_only_decodes_is_warmed_beside_a_queued_holder() -> None:
-    """No worker is idle: the holder has a 6,000-token prefill queued, the other only four
-    sequences decoding. The other is the lighter one (a shorter predicted wait, though more
-    sequences run there), so the hot prefix's new holder is warmed there."""
+def _hot_pair() -> tuple[Router, list[int], list[int]]:
+    """Workers "a" and "b", and a 6,000-token prefix seen at 20 req/s: demand for more
+    holders than one. Returns the router, the prefix's ids and its keys."""
     r = Router(make_policy("ttft"), BS, rng=random.Random(11))
     prefix = ids(13, 6000)
     pkeys = KEYER.keys(prefix)
     for w in ("a", "b"):
         r.add_worker(w)
         r.index.add_worker(w)
+    for i in range(40):
+        r.ctx.popularity.observe(pkeys[-1], i * 0.05)
+    return r, prefix, pkeys
+
+
+def test_a_busy_worker_with_only_decodes_is_warmed_beside_a_queued_holder() -> None:
+    """No worker is idle: the holder has a 6,000-token prefill queued, the other only four
+    sequences decoding. The other is the lighter one (a shorter predicted wait, though more
+    sequences run there), so the hot prefix's new holder is warmed there."""
+    r, prefix, pkeys = _hot_pair()
     r.index.stored("a", None, pkeys)
     r.loads.started("a", 6000, 0.0)  # someone else's long prompt, queued
     for _ in range(4):  # b: four sequences past their first token
         r.loads.first_token(r.loads.started("b", 100, 0.0))
-    for i in range(40):  # 20 req/s of the prefix: more holders warranted
-        r.ctx.popularity.observe(pkeys[-1], i * 0.05)
     toks = prefix + ids(130, 64)
     d = r.route(KEYER.keys(toks), len(toks), now=2.0)
     assert (d.worker, d.reason) == ("a", "cache")
@@ -347,14 +354,7 @@ def test_at_the_onset_a_busy_newcomer_takes_the_request_cold_not_a_warmup() -> N
     the index then sends there are admitted while it is still being chunked and compute it
     once more (hot-sudden past capacity: p50 1.3x round robin's). This request goes there
     cold itself, as round robin would send it."""
-    r = Router(make_policy("ttft"), BS, rng=random.Random(11))
-    prefix = ids(13, 6000)
-    pkeys = KEYER.keys(prefix)
-    for w in ("a", "b"):
-        r.add_worker(w)
-        r.index.add_worker(w)
-    for i in range(40):  # 20 req/s of the prefix: more holders warranted
-        r.ctx.popularity.observe(pkeys[-1], i * 0.05)
+    r, prefix, _ = _hot_pair()
     r.loads.started("b", 3000, 2.0)  # someone else's prompt, queued
     first = prefix + ids(129, 64)
     d0 = r.route(KEYER.keys(first), len(first), now=2.0)

@@ -206,7 +206,7 @@ class PredictedTTFT(Policy):
         # one of them is the best score and the decision goes to that idle group with its
         # near ties: the step window, which widens ties among busy workers only when no idle
         # worker has the top match, cannot apply, so the scan need not reach that far.
-        deepest = max(idle_at.keys() | busy_at.keys())
+        deepest = levels[0][0] if levels else 0  # levels are longest first
         if deepest in idle_at and deepest not in idle_pen:
             steps = 0.0
         else:
@@ -394,8 +394,9 @@ class PredictedTTFT(Policy):
         now = ctx.now
         pop = ctx.popularity
         tokens = request.matched_tokens(depth)
-        # neither an onset to spill (``_spill``'s first test) nor sustained demand (below)
-        if queued < tokens and pop.weight(key, now) + 1.5 < self.min_requests:
+        # this request and the recent ones (decayed: half a request of slack)
+        burst = pop.weight(key, now) + 1.5 < self.min_requests  # not sustained demand
+        if burst and queued < tokens:  # and no onset to spill either (``_spill``'s first test)
             return None
         holders = pool.levels[0][1]
         cost = ctx.cost
@@ -406,8 +407,7 @@ class PredictedTTFT(Policy):
         spill = self._spill(request, pool, ctx, pick, ttft, tokens, prefill, key, have)
         if spill is not None:
             return spill
-        # this request and the recent ones (decayed: half a request of slack)
-        if pop.weight(key, now) + 1.5 < self.min_requests:  # a burst, not sustained demand
+        if burst:
             return None
         need = holders_needed(pop.rate(key, now), prefill, len(pool.workers), self.replication)
         if have >= need:
@@ -424,7 +424,7 @@ class PredictedTTFT(Policy):
         # entry) are admitted while it is still being chunked and compute it again. This
         # request goes there cold instead, as round robin would send it (and as without
         # warm-ups), if ``pick`` is busy (an idle holder serves it at once).
-        return None if pool.view(pick).idle else target
+        return None if v.idle else target
 
     def _hot(self, request: RouteRequest, pool: PoolView, ctx: PolicyContext) -> bool:
         """Whether the longest match is a prefix replicated for its demand: held by several
