@@ -106,6 +106,7 @@ def test_decode_spans_and_report_skipping_change_nothing(trace: Path) -> None:
     slow_sim.skip_redundant_reports = False
     slow = slow_sim.run(stream)
     assert fast.engine["spans"] > 0 and fast.engine["reports_skipped"] > 0
+    assert fast.engine["reports_revived"] > 0 and slow.engine["reports_skipped"] == 0
     assert fast.engine["step_calls"] * 5 < slow.engine["step_calls"]
     assert outcome(fast) == outcome(slow)
     by_index = dict(zip(slow.table.index, slow.table.ttft, strict=True))
@@ -115,10 +116,45 @@ def test_decode_spans_and_report_skipping_change_nothing(trace: Path) -> None:
     )
 
 
-def test_gc_thresholds_hold_during_a_run_only_and_change_nothing(trace: Path) -> None:
-    """``gc_thresholds`` are in force while ``run`` runs (seen from its progress callback),
-    the caller's are back afterwards, also when the run fails, and the run is the one made
-    with the collector left alone."""
+def _views_at_decisions(sim: ClusterSim) -> list[list[Any]]:
+    """Run ``sim`` recording, at every routing decision, every worker's load view."""
+    route, loads, seen = sim.router.route, sim.router.loads, []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append([loads.view(n) for n in sim.names])
+        return route(*args, **kwargs)
+
+    sim.router.route = recording  # type: ignore[method-assign]
+    return seen
+
+
+def test_reports_left_aside_change_no_view(trace: Path) -> None:
+    """A sample that repeats an untouched engine's last report is not queued (``_sample``'s
+    ghost); one touched before it would have arrived is queued after all (``_revive``).
+    Every decision sees exactly the load views of a run that applies every report."""
+    stream = trace_stream(trace, 1500)
+    cfg = ClusterConfig(**{**TRACE_CLUSTER, "workers": 32})
+    fast_sim, slow_sim = ClusterSim(cfg), ClusterSim(cfg)
+    slow_sim.skip_redundant_reports = False
+    fast_views, slow_views = _views_at_decisions(fast_sim), _views_at_decisions(slow_sim)
+    fast, slow = fast_sim.run(stream), slow_sim.run(stream)
+    assert fast.engine["reports_revived"] > 0 and fast.engine["reports_skipped"] > 0
+    assert len(fast_views) == len(slow_views) == len(stream)
+    assert fast_views == slow_views
+    assert outcome(fast) == outcome(slow)
+
+
+def test_gc_thresholds_hold_during_a_run_only_and_change_nothing(
+    trace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``gc_thresholds`` and ``malloc_pad`` are in force while ``run`` runs (seen from its
+    progress callback), the caller's collector and glibc's default pad are back afterwards,
+    also when the run fails, and the run is the one made with both left alone."""
+    import loadtest.clustersim as clustersim
+
+    pads: list[int] = []
+    real_pad = clustersim._malloc_pad
+    monkeypatch.setattr(clustersim, "_malloc_pad", lambda n: pads.append(n) or real_pad(n))
     stream = trace_stream(trace, 300)
     caller = gc.get_threshold()
     seen: list[tuple[int, ...]] = []
@@ -126,8 +162,9 @@ def test_gc_thresholds_hold_during_a_run_only_and_change_nothing(trace: Path) ->
     res = tuned.run(stream, lambda n: seen.append(gc.get_threshold()), progress_every=100)
     assert seen and set(seen) == {tuned.gc_thresholds} != {caller}
     assert gc.get_threshold() == caller
+    assert pads == [tuned.malloc_pad, clustersim._GLIBC_PAD] and tuned.malloc_pad
     plain_sim = ClusterSim(ClusterConfig(**TRACE_CLUSTER))
-    plain_sim.gc_thresholds = None
+    plain_sim.gc_thresholds = plain_sim.malloc_pad = None
     plain = plain_sim.run(stream, lambda n: seen.append(gc.get_threshold()), progress_every=100)
     assert seen[-1] == caller
     assert outcome(res) == outcome(plain) and list(res.table.ttft) == list(plain.table.ttft)
@@ -135,6 +172,7 @@ def test_gc_thresholds_hold_during_a_run_only_and_change_nothing(trace: Path) ->
     with pytest.raises(ValueError, match="out of order"):
         ClusterSim(ClusterConfig(**TRACE_CLUSTER)).run(backwards)
     assert gc.get_threshold() == caller
+    assert pads == [tuned.malloc_pad, clustersim._GLIBC_PAD] * 2
 
 
 def _reference_prompt(rec: dict[str, Any], block_tokens: int) -> bytes:

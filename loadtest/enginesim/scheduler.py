@@ -521,9 +521,13 @@ class EngineCore:
                 if self.bigram:  # bigrams over the tokens up to one past the last block
                     n_out = last * bs + 1 - req.prompt_len
                     full = bigram_atoms(req.tokens + self._output_bytes(n_out))
-                else:
-                    full = req.tokens + self._output_bytes(last * bs - req.prompt_len)
-                self._cache_blocks(req, full, first, last, end)
+                    self._cache_blocks(req, full, first, last, end)
+                else:  # only blocks ``first..`` are read: the tokens from there, not a copy
+                    # of the whole prompt (``insert`` reads ``tokens`` from ``start_block`` on)
+                    start = first * bs
+                    tail = req.tokens[start * TOKEN_BYTES :]
+                    tail += self._output_bytes(last * bs - req.prompt_len)
+                    self._cache_blocks(req, tail, 0, last - first, end)
         self._release(req, end)
         req.state = RequestState.FINISHED
         req.finish_time = end
