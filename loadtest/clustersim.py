@@ -315,6 +315,9 @@ class RequestTable:
     prompt_tokens: array = field(default_factory=lambda: array("q"))
     cached_tokens: array = field(default_factory=lambda: array("q"))
     output_tokens: array = field(default_factory=lambda: array("q"))
+    # prompt tokens the gateway's index predicted cached on the chosen worker (the decision's
+    # match); against ``cached_tokens`` it gives the index precision (Q8)
+    predicted_tokens: array = field(default_factory=lambda: array("q"))
 
     def __len__(self) -> int:
         return len(self.index)
@@ -387,6 +390,9 @@ def summarize(
 
     Differences: every worker appears in ``per_worker`` and the balance (the live driver only
     sees workers that answered); ITL percentiles weight each request's mean gap by its gaps.
+    Added: ``index_precision`` as the live comparison reports it (Q8): of the tokens the
+    index predicted cached, the share the engine reused, min(predicted, cached) per request
+    (None when nothing was predicted).
     """
     failed = failed or {}
     n_ok = len(table)
@@ -421,6 +427,9 @@ def summarize(
     total = n_ok + n_failed
     good = int(np.count_nonzero(ttft * 1000.0 <= slo_ttft_ms))
     sum_prompt, sum_cached = int(prompt.sum()), int(cached.sum())
+    pred = np.frombuffer(table.predicted_tokens, dtype=np.int64) if n_ok else np.zeros(0, np.int64)
+    sum_pred = int(pred.sum())
+    agreed = int(np.minimum(pred, cached).sum()) if sum_pred else 0
     errors = {k: v for k, v in failed.items() if v}
     return {
         "requests": total,
@@ -444,6 +453,8 @@ def summarize(
         "hit_rate": round(sum_cached / sum_prompt, 4) if sum_prompt else 0.0,
         "prompt_tokens": sum_prompt,
         "cached_tokens": sum_cached,
+        "predicted_tokens": sum_pred,
+        "index_precision": round(agreed / sum_pred, 4) if sum_pred else None,
         "per_worker": per_worker,
         **balance(
             {w: v["requests"] for w, v in per_worker.items()},
@@ -873,6 +884,7 @@ class ClusterSim:
                 tab.prompt_tokens.append(req.prompt_len)
                 tab.cached_tokens.append(req.cached_tokens)
                 tab.output_tokens.append(req.max_tokens)
+                tab.predicted_tokens.append(f.ticket.decision.matched_tokens)
             self._inflight -= len(res.finished)
             self._last_finish = max(self._last_finish, now)
         if res.events and self._index_events:

@@ -89,19 +89,28 @@ def capacities(cfg: CompareConfig, policies: list[str]) -> dict[str, Any]:
 
 def sweep(cfg: CompareConfig, policies: list[str], rates: list[float], seeds: int) -> None:
     for rate in rates:
-        per: dict[str, list[tuple[float, float]]] = {p: [] for p in policies}
+        per: dict[str, list[tuple[float, float, float]]] = {p: [] for p in policies}
         for seed in range(seeds):
             stream = _stream(cfg, seed)
             items, warmup = stream.window(rate, cfg.duration)
             arrivals = stream.arrivals(items)
             for policy in policies:
-                t = _window_ttfts(simulate(arrivals, _cluster(cfg, policy, seed)), warmup)
-                per[policy].append((float(np.percentile(t, 50)), float(np.percentile(t, 99))))
+                res = simulate(arrivals, _cluster(cfg, policy, seed))
+                t = _window_ttfts(res, warmup)
+                precision = res.summary["index_precision"]
+                per[policy].append(
+                    (
+                        float(np.percentile(t, 50)),
+                        float(np.percentile(t, 99)),
+                        np.nan if precision is None else precision,
+                    )
+                )
         for policy, xs in per.items():
             a = np.array(xs)
             print(f"rate {rate:6.2f} {policy:12s} p50 {' '.join(f'{x:6.0f}' for x in a[:, 0])}"
                   f" mean {a[:, 0].mean():6.0f} | p99 {' '.join(f'{x:6.0f}' for x in a[:, 1])}"
-                  f" mean {a[:, 1].mean():6.0f}")  # fmt: skip
+                  f" mean {a[:, 1].mean():6.0f} | index precision (whole run)"
+                  f" {' '.join(f'{x:.4f}' for x in a[:, 2])}")  # fmt: skip
 
 
 class _Traced(ClusterSim):
@@ -117,7 +126,9 @@ class _Traced(ClusterSim):
 
         def noted(*args: Any, **kw: Any) -> Any:
             d = route(*args, **kw)
-            self.notes[a.index] = (a.at, d.worker, d.reason, d.predicted_ttft_ms, queues)
+            self.notes[a.index] = (
+                a.at, d.worker, d.reason, d.predicted_ttft_ms, d.matched_tokens, queues
+            )  # fmt: skip
             return d
 
         self.router.route = noted  # type: ignore[method-assign]
@@ -138,21 +149,25 @@ def trace(cfg: CompareConfig, policy: str, rate: float, seed: int) -> None:
     sim = _Traced(_cluster(cfg, policy, seed))
     res = sim.run(stream.arrivals(items))
     rows = {int(r["index"]): r for r in res.table.rows()}
-    print("index arrival_s first_segment worker reason predicted_ms ttft_ms cached queues")
+    print(
+        "index arrival_s first_segment worker reason predicted_ms ttft_ms"
+        " predicted_cached cached queues"
+    )
     for i in sorted(sim.notes):
-        at, worker, reason, pred, queues = sim.notes[i]
+        at, worker, reason, pred, matched, queues = sim.notes[i]
         r = rows.get(i)
         ttft = f"{r['ttft'] * 1000:8.0f}" if r else "  failed"
         cached = int(r["cached_tokens"]) if r else -1
         shown = -1 if pred is None else round(pred)
         print(f"{i:5d} {at:8.3f} {first[i]:>8s} {worker:>9s} {reason:>9s} {shown:7d} {ttft}"
-              f" {cached:6d} {queues}")  # fmt: skip
+              f" {matched:6d} {cached:6d} {queues}")  # fmt: skip
     t = _window_ttfts(res, warmup)
     eng = res.engine
     print(f"p50 {np.percentile(t, 50):.0f} ms, p99 {np.percentile(t, 99):.0f} ms, "
           f"hit rate {res.hit_rate:.4f}, warm-ups {eng['warmups']} "
           f"({eng['warmup_tokens']} tokens), uncached prompt tokens computed "
           f"{eng['engine_prompt_tokens'] - eng['engine_cached_tokens']}, "
+          f"index precision {res.summary['index_precision']}, "
           f"last event at {res.duration:.1f} s")  # fmt: skip
 
 

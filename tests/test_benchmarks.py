@@ -121,9 +121,11 @@ def test_sim(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_simulate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    trace_dir = tmp_path / "not" / "yet"  # created on demand
     r = bench(capsys, "simulate", "--workers", "4", "--requests", "200", "--trace-dir",
-              str(tmp_path), "--no-progress")  # fmt: skip
+              str(trace_dir), "--no-progress")  # fmt: skip
     assert r["requests"] == 200 and r["workers"] == 4
+    assert [p.suffix for p in trace_dir.iterdir()] == [".jsonl"]  # the trace, nothing else
     assert r["ttft"]["requests_per_s"] > 0 and r["round_robin"]["requests_per_s"] > 0
     assert r["cost_vs_baseline"] > 0 and r["ok_basis"].startswith("projection")
     assert r["ok"] == (r["projected_full_s"] <= r["q6_budget_s"])

@@ -25,6 +25,7 @@ from loadtest.clustersim import (
     ClusterConfig,
     ClusterSim,
     FingerprintKeys,
+    RequestTable,
     SimResult,
     TokenKeys,
     estimate_capacity,
@@ -244,7 +245,38 @@ def test_summary_is_the_load_driver_format(chat: list[Arrival]) -> None:
     records = res.table.to_records(ClusterConfig(**CHAT_CLUSTER).worker_names())
     expected = driver_summarize(records, res.duration, res.config.slo_ttft_ms)
     got = summarize(res.table, res.config.worker_names(), res.duration, res.config.slo_ttft_ms)
-    assert got == expected
+    added = {"predicted_tokens", "index_precision"}  # the simulator's own (Q8)
+    assert {k: v for k, v in got.items() if k not in added} == expected
+    assert added <= got.keys()
+
+
+def test_index_precision_is_the_live_comparisons(chat: list[Arrival]) -> None:
+    """Predicted = each decision's matched tokens, agreed = min(predicted, cached) per
+    request: the live ``index_precision`` (loadtest/compare.py), here from the simulator."""
+    table = RequestTable()
+    for i, (pred, cached) in enumerate([(100, 100), (50, 20), (0, 30), (10, 0)]):
+        for col, v in (("index", i), ("worker", 0), ("arrival", 0.0), ("ttft", 0.1),
+                       ("e2e", 0.2), ("prompt_tokens", 200), ("cached_tokens", cached),
+                       ("output_tokens", 2), ("predicted_tokens", pred)):  # fmt: skip
+            getattr(table, col).append(v)
+    got = summarize(table, ["w0"], 1.0, 1000.0)
+    assert got["predicted_tokens"] == 160 and got["index_precision"] == round(120 / 160, 4)
+    table.predicted_tokens = type(table.predicted_tokens)("q", [0] * 4)
+    assert summarize(table, ["w0"], 1.0, 1000.0)["index_precision"] is None
+
+    sim = ClusterSim(ClusterConfig(**CHAT_CLUSTER))
+    route, matched = sim.router.route, []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        d = route(*args, **kwargs)
+        matched.append(d.matched_tokens)
+        return d
+
+    sim.router.route = recording  # type: ignore[method-assign]
+    res = sim.run(chat)
+    assert res.summary["ok"] == len(chat) == len(matched)
+    assert res.summary["predicted_tokens"] == sum(matched) > 0
+    assert 0.98 <= res.summary["index_precision"] <= 1.0
 
 
 def test_keys_chain_like_the_deployment_keys(trace: Path) -> None:

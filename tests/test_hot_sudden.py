@@ -74,3 +74,17 @@ def test_presettrace_traces_every_request_of_the_window(capsys: pytest.CaptureFi
     assert "hot" in {r[2] for r in rows[40:]}
     assert all(r[3] in ("worker-0", "worker-1") for r in rows)
     assert out[-1].startswith("p50 ") and "warm-ups" in out[-1]
+    # predicted cached (the decision's match) beside what the engine reused, and the run's
+    # index precision (Q8) from them
+    predicted = [int(r[7]) for r in rows]
+    assert min(predicted) >= 0 and max(predicted) > 0
+    precision = float(out[-1].split("index precision ")[1].split(",")[0])
+    assert 0.0 < precision <= 1.0
+
+
+def test_presettrace_sweep_reports_precision(capsys: pytest.CaptureFixture[str]) -> None:
+    from loadtest import presettrace
+
+    assert presettrace.main(["--duration", "6", "--rates", "8", "--policies", "ttft"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("rate")]
+    assert float(line.split("index precision (whole run) ")[1]) > 0.5

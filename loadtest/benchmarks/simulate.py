@@ -68,6 +68,7 @@ def _trace(args: argparse.Namespace, workers: int, requests: int) -> Path:
     duration = requests / (args.rate_per_worker * workers)
     path = Path(args.trace_dir) / f"kvroute-synthetic-{requests}-{duration:.0f}s-{args.seed}.jsonl"
     if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         write_synthetic_trace(tmp, requests=requests, duration_s=duration, seed=args.seed)
         tmp.rename(path)
