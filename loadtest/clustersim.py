@@ -235,6 +235,8 @@ class ClusterConfig:
     max_num_batched_tokens: int = 8192
     chunked_prefill: bool = True
     eviction: Literal["block", "node"] = "block"  # vLLM trims LRU leaves block by block
+    # vLLM caches a prompt's blocks when a step schedules them (SGLang: once computed)
+    commit_on_schedule: bool = True
     cache_outputs: bool = True
     #: multiplies the engine's compute (prefill of T tokens costs what T/compute_scale cost
     #: one worker; decode unchanged); the pooled bound's single big worker uses it
@@ -296,7 +298,11 @@ class ClusterConfig:
             chunked_prefill=self.chunked_prefill,
         )
         return EngineCore(
-            cache, sched, self.timing_model(), evict_whole_nodes=self.eviction == "node"
+            cache,
+            sched,
+            self.timing_model(),
+            evict_whole_nodes=self.eviction == "node",
+            commit_on_schedule=self.commit_on_schedule,
         )
 
 

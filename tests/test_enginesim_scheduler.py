@@ -108,6 +108,56 @@ def test_chunked_prefill_respects_the_token_budget() -> None:
     assert long.first_token_time == res.end
 
 
+def _commit_core(on_schedule: bool, budget: int = 8192) -> EngineCore:
+    return EngineCore(
+        CacheConfig(kv_blocks=4096, block_size=16),
+        SchedulerConfig(max_num_batched_tokens=budget),
+        timing_model("mocker"),
+        commit_on_schedule=on_schedule,
+    )
+
+
+@pytest.mark.parametrize("on_schedule", [True, False])
+def test_a_prefix_scheduled_in_the_same_step_is_reused_as_vllm_does(on_schedule: bool) -> None:
+    """Two requests sharing a new 640-token prefix, admitted in one step. vLLM commits a
+    request's full blocks when it schedules them (``allocate_slots``) and matches the next
+    waiting request after that: the second reuses the 40 blocks at once. Committed only
+    once computed (SGLang), the second computes them again."""
+    core = _commit_core(on_schedule)
+    shared = prompt(640, 1)
+    a = core.add_request(shared + prompt(30, 2), 4, now=0.0)
+    b = core.add_request(shared + prompt(30, 3), 4, now=0.0)
+    res = core.step(0.0)
+    assert res.scheduled == [a, b]
+    assert a.cached_tokens == 0
+    assert b.cached_tokens == (640 if on_schedule else 0)
+    assert res.prefill_tokens == 670 + (30 if on_schedule else 670)
+    stored = [len(ev.block_ids) for ev in res.events if isinstance(ev, BlocksStored)]
+    assert sum(stored) == 41 + 1  # a's 41 full blocks, then b's own 41st
+    run_all(core)
+    c = core.add_request(shared + prompt(30, 2), 4, now=core.free_at)  # a's prompt again
+    run_all(core)
+    assert c.cached_tokens == 656  # 41 blocks either way, once computed
+
+
+@pytest.mark.parametrize("on_schedule", [True, False])
+def test_chunk_by_chunk_the_scheduled_blocks_are_reusable(on_schedule: bool) -> None:
+    """A 1,200-token prompt prefilled in 512-token chunks; a request sharing its first 1,000
+    tokens is admitted beside the last chunk. Committed as scheduled, the first two chunks'
+    blocks and the last's are in the cache when it is matched: 62 blocks (992 tokens)."""
+    core = _commit_core(on_schedule, budget=512)
+    shared = prompt(1200, 4)
+    a = core.add_request(shared, 2, now=0.0)
+    assert core.step(0.0).prefill_tokens == 512
+    b = core.add_request(shared[:1000] + prompt(20, 5), 2, now=core.free_at)
+    res = core.step(core.free_at)  # a's second chunk takes the whole budget
+    assert res.scheduled == [] and b.state == RequestState.WAITING
+    res = core.step(core.free_at)  # a's last 176 tokens, then b
+    assert res.scheduled == [b] and a.first_token_time == res.end
+    assert b.cached_tokens == (992 if on_schedule else 0)
+    run_all(core)
+
+
 def test_without_chunking_a_long_prompt_runs_alone() -> None:
     core = make_core(max_num_batched_tokens=512, chunked_prefill=False)
     d = core.add_request(prompt(10, 5), 3, now=0.0)

@@ -34,6 +34,9 @@ import zmq
 from gateway.contract.wire import key_digest
 from gateway.routing.keys import BlockKeyer
 from gateway.tokenization import TEMPLATES_DIR, Tokenizer, bundled_templates
+from loadtest.enginesim.config import CacheConfig, SchedulerConfig
+from loadtest.enginesim.scheduler import EngineCore
+from loadtest.enginesim.timing import timing_model
 from loadtest.harness import ChildProcess, post_json
 from loadtest.stack import Stack, StackConfig, port_block, wait_for
 from worker_agent.engines.decode import AllCleared, BlockRemoved, BlockStored, decode_batch
@@ -335,6 +338,46 @@ def test_engine_restart_clears_and_recovers_exactly(stack: Stack) -> None:
     converge(stack)
     rows = chat_turns(stack, rng, conversations=2, turns=2, system_words=80)
     assert [r[2] for r in rows] == [r[3] for r in rows], rows
+
+
+def test_a_prefix_scheduled_beside_its_first_computation_is_reused(stack: Stack) -> None:
+    """Two prompts sharing a new 384-token prefix, sent in one batch to an idle engine.
+
+    vLLM commits a request's full blocks to its prefix cache when it schedules them
+    (``KVCacheManager.allocate_slots``) and matches each waiting request after the earlier
+    ones of the step were allocated, so the second prompt reuses the 12 shared blocks
+    whether it is admitted in the same step as the first or later (which of the two
+    happened is not visible from outside). The simulator's vLLM engine core, given both
+    at the same instant (so admitted in one step), reuses exactly as many; committing
+    blocks only once computed, as it did before, it reused none."""
+    url = stack.worker_urls[0]
+    converge(stack)
+    assert post_json(url + "/reset_prefix_cache", {}) is not None
+    rng = random.Random(11)
+    shared = [rng.randrange(100, 5000) for _ in range(384)]
+    prompts = [shared + [rng.randrange(100, 5000) for _ in range(32)] for _ in range(2)]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 1, "temperature": 0}
+    answer = post_json(url + "/v1/completions", body)
+    # a batch's usage: the prompt tokens of both, the cached tokens of the last one
+    assert answer["usage"]["prompt_tokens"] == 2 * 416
+    real_second = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def simulated(on_schedule: bool) -> list[int]:
+        core = EngineCore(
+            CacheConfig(kv_blocks=ENGINE_BLOCKS, block_size=32),
+            SchedulerConfig(),
+            timing_model("mocker"),
+            commit_on_schedule=on_schedule,
+        )
+        reqs = [core.add_request(p, 1, now=0.0) for p in prompts]
+        res = core.step(0.0)
+        assert res.scheduled == reqs  # one step
+        core.advance(float("inf"))
+        return [r.cached_tokens for r in reqs]
+
+    assert real_second == 384
+    assert simulated(True) == [0, real_second]
+    assert simulated(False) == [0, 0]
 
 
 def test_simulator_matches_vllm_request_by_request(stack: Stack) -> None:

@@ -16,8 +16,12 @@ Policy (vLLM V1's unified scheduler, simplified):
   evicting unpinned cached blocks LRU first if needed. When even eviction cannot make room,
   the head of the queue waits (head-of-line, like vLLM's FCFS) until running requests
   finish. Running requests therefore never run out of blocks, and nothing is preempted.
-* A request's prompt blocks enter the cache when its prefill completes (its first token);
-  blocks of generated tokens when it finishes (``cache_outputs``).
+* A request's full prompt blocks enter the cache when a step schedules their computation
+  (``commit_on_schedule``, vLLM: ``KVCacheManager.allocate_slots`` commits them before the
+  scheduler matches the next waiting request, so a request admitted in the same step as its
+  prefix's first computation reuses it), or when its prefill completes (SGLang, and a
+  request whose KV another engine prefilled); blocks of generated tokens when it finishes
+  (``cache_outputs``).
 * Output length is exactly ``max_tokens`` (as with ``ignore_eos``): load tests are
   deterministic. Generated token ids cycle through ``output_tokens``.
 * Bigram keys (``CacheConfig.bigram_keys``, SGLang with EAGLE/MTP): the radix tree's atoms
@@ -154,11 +158,13 @@ class EngineCore:
         timing: TimingModel,
         *,
         evict_whole_nodes: bool = False,
+        commit_on_schedule: bool = False,
         record_events: bool = True,
         output_tokens: Sequence[int] = (1,),
         lora: LoraConfig | None = None,
     ) -> None:
         self.block_size = cache.block_size
+        self.commit_on_schedule = commit_on_schedule and not cache.bigram_keys
         self.cache_outputs = cache.cache_outputs
         self.bigram = cache.bigram_keys
         self._unkeyed = 1 if cache.bigram_keys else 0  # tokens with KV but no key atom
@@ -270,6 +276,9 @@ class EngineCore:
         n_dec = self._num_decoding
         budget = self.sched.max_num_batched_tokens - n_dec
         chunks = self._continue_prefills(budget)
+        if self.commit_on_schedule:
+            for req, c in chunks:
+                self._commit(req, c, start)
         budget -= sum(c for _, c in chunks)
         self._admit_waiting(start, budget, chunks, res.scheduled, n_dec)
         if not chunks and not n_dec:
@@ -439,6 +448,8 @@ class EngineCore:
             c = rest if not self.sched.chunked_prefill else min(rest, budget)
             chunks.append((req, c))
             budget -= c
+            if self.commit_on_schedule:  # before the next waiting request is matched
+                self._commit(req, c, now)
 
     def _cached_hint(self, req: SimRequest) -> int:
         """Cached prompt tokens of a waiting request (only needed without chunking)."""
@@ -479,10 +490,31 @@ class EngineCore:
         st.cache_hits += req.cached_tokens
         return True
 
+    def _commit(self, req: SimRequest, chunk: int, now: float) -> None:
+        """A step scheduled ``chunk`` more prompt tokens of ``req``: its full blocks up to
+        there enter the cache now (vLLM), not when the prefill completes."""
+        if req.remote:  # its KV arrives from the prefill engine: cached once it has
+            return
+        done = self._committed_blocks(req)
+        upto = min(req.computed_tokens + chunk, req.prompt_len) // self.block_size
+        if upto > done:
+            self._cache_blocks(req, self._key(req), done, upto, now)
+
+    def _committed_blocks(self, req: SimRequest) -> int:
+        """Prompt blocks of ``req`` already in the cache: the matched ones, and with
+        ``commit_on_schedule`` the full blocks of the tokens scheduled so far."""
+        done = req.cached_tokens // self.block_size
+        if self.commit_on_schedule and not req.remote:
+            done = max(done, req.computed_tokens // self.block_size)
+        return done
+
     def _prefill_done(self, req: SimRequest, end: float, res: StepResult) -> None:
         self._prefilling.remove(req)
         n_full = self._full_blocks(req.prompt_len)
-        self._cache_blocks(req, self._key(req), req.cached_tokens // self.block_size, n_full, end)
+        committed = req.cached_tokens // self.block_size
+        if self.commit_on_schedule and not req.remote:
+            committed = n_full  # every full block went in as its chunk was scheduled
+        self._cache_blocks(req, self._key(req), committed, n_full, end)
         req.first_token_time = end
         req.num_output = 1
         res.first_token.append(req)

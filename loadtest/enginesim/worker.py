@@ -472,6 +472,7 @@ class SimWorker:
             cfg.scheduler,
             timing,
             evict_whole_nodes=cfg.evict_whole_nodes,
+            commit_on_schedule=cfg.flavor == "vllm",
             record_events=cfg.events.enabled,
             output_tokens=self.codec.output_ids,
             lora=cfg.lora,
