@@ -60,6 +60,8 @@ HOP_BY_HOP = frozenset(
 )  # fmt: skip
 #: upstream URLs kept parsed (worker x API path), at most
 _MAX_URLS = 4096
+#: how long an SGLang prefill half may still answer after its decode half has (its usage)
+_PREFILL_GRACE_S = 30.0
 #: client headers forwarded upstream (everything else is dropped: no spoofing, no credentials)
 FORWARD_REQUEST = frozenset(("accept", "user-agent", "x-request-id", "traceparent", "tracestate"))
 
@@ -179,6 +181,7 @@ class Proxy:
         #: set by the gateway when ``request_log.path`` is configured
         self.request_log: RequestLog | None = None
         self._urls: dict[tuple[str, str], URL] = {}
+        self._prefills: set[asyncio.Task[Any]] = set()  # see _finish_prefill
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -194,6 +197,9 @@ class Proxy:
         )
 
     async def close(self) -> None:
+        for task in list(self._prefills):
+            task.cancel()
+        await asyncio.gather(*self._prefills, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -537,11 +543,34 @@ class Proxy:
                 # the prefill half failed before its answer began: the decode half waits for
                 # KV that will not come and has sent the client nothing yet
                 raise first.exception()  # type: ignore[misc]
-            return await second
-        finally:
+            answer = await second
+        except BaseException:
             for task in (first, second):
                 task.cancel()
             await asyncio.gather(first, second, return_exceptions=True)
+            raise
+        self._finish_prefill(first)
+        return answer
+
+    def _finish_prefill(self, task: asyncio.Task[Any]) -> None:
+        """The decode half has answered the client; the prefill half's own answer may still
+        be arriving (SGLang's prefill server ends it after the KV transfer). It carries what
+        that worker reused (its precision), so it is read to its end off the client's path,
+        for at most ``_PREFILL_GRACE_S``, instead of being cancelled unread."""
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: a failure there was the decode's to report
+            return
+        self._prefills.add(task)
+        timer = asyncio.get_running_loop().call_later(_PREFILL_GRACE_S, task.cancel)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            timer.cancel()
+            self._prefills.discard(t)
+            if not t.cancelled():
+                t.exception()
+
+        task.add_done_callback(done)
 
     async def _prefill(
         self,

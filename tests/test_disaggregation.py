@@ -89,9 +89,11 @@ def test_pairs_are_routed_by_cache_and_each_half_predicted(tmp_path: Path, flavo
                 msgs.append({"role": "assistant", "content": reply})
         # precision counts both halves: each worker's prediction against its own report
         predicted = stack.metric_sum("kvroute_predicted_matched_tokens_total")
-        agreed = stack.metric_sum("kvroute_agreed_cached_tokens_total")
         assert predicted == sum(r[0] + r[2] for r in rows) > 0
-        assert agreed == predicted, (agreed, predicted)
+        # SGLang's prefill half may end its answer after the decode half has answered the
+        # client; the gateway reads it to the end (its usage) off the client's path
+        agreed = lambda: stack.metric_sum("kvroute_agreed_cached_tokens_total")  # noqa: E731
+        assert wait_for(lambda: agreed() == predicted, 10) is not None, (agreed(), predicted)
     # the prefill engine reused exactly what the gateway predicted for it, and so did the
     # decode engine (it caches what it received: a conversation's next turn finds it there)
     assert [r[0] for r in rows] == [r[1] for r in rows], rows
