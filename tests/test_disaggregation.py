@@ -271,3 +271,42 @@ def test_bad_roles_are_refused_at_start() -> None:
         AgentConfig(worker_id="w", model="m", role="verify").validate()
     with pytest.raises(ValueError, match=r"pd\.role"):
         PdConfig(role="verify")  # type: ignore[arg-type]
+
+
+async def test_a_prefill_answer_still_arriving_is_read_to_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang's prefill half may end its answer (with that worker's usage) after the decode
+    half has answered the client: the proxy lets it finish off the client's path instead of
+    cancelling it unread, gives up after ``_PREFILL_GRACE_S``, and cancels it on close."""
+    import asyncio
+
+    from gateway import proxy as proxy_module
+    from gateway.config import ProxySettings
+    from gateway.metrics import GatewayMetrics
+
+    proxy = proxy_module.Proxy(ProxySettings(), registry=None, metrics=GatewayMetrics())  # type: ignore[arg-type]
+    release, read = asyncio.Event(), []
+
+    async def prefill_answer() -> None:
+        await release.wait()
+        read.append("usage")
+
+    arriving = asyncio.create_task(prefill_answer())
+    proxy._finish_prefill(arriving)
+    assert not arriving.done() and arriving in proxy._prefills
+    release.set()
+    await arriving
+    assert read == ["usage"] and not proxy._prefills
+
+    monkeypatch.setattr(proxy_module, "_PREFILL_GRACE_S", 0.05)
+    hung = asyncio.create_task(asyncio.Event().wait())
+    proxy._finish_prefill(hung)
+    await asyncio.wait({hung})  # ends when the grace timer cancels it
+    assert hung.cancelled() and not proxy._prefills
+
+    stuck = asyncio.create_task(asyncio.Event().wait())
+    monkeypatch.setattr(proxy_module, "_PREFILL_GRACE_S", 60.0)
+    proxy._finish_prefill(stuck)
+    await proxy.close()
+    assert stuck.cancelled() and not proxy._prefills
