@@ -495,18 +495,12 @@ class EngineCore:
         there enter the cache now (vLLM), not when the prefill completes."""
         if req.remote:  # its KV arrives from the prefill engine: cached once it has
             return
-        done = self._committed_blocks(req)
+        # in the cache already: the matched blocks and those of the chunks scheduled before
+        # (``computed_tokens`` starts at the match and counts them)
+        done = req.computed_tokens // self.block_size
         upto = min(req.computed_tokens + chunk, req.prompt_len) // self.block_size
         if upto > done:
             self._cache_blocks(req, self._key(req), done, upto, now)
-
-    def _committed_blocks(self, req: SimRequest) -> int:
-        """Prompt blocks of ``req`` already in the cache: the matched ones, and with
-        ``commit_on_schedule`` the full blocks of the tokens scheduled so far."""
-        done = req.cached_tokens // self.block_size
-        if self.commit_on_schedule and not req.remote:
-            done = max(done, req.computed_tokens // self.block_size)
-        return done
 
     def _prefill_done(self, req: SimRequest, end: float, res: StepResult) -> None:
         self._prefilling.remove(req)
