@@ -9,8 +9,13 @@ timing, speed-up), to read a live cell offline:
   and beside it the highest rate at which the N separate workers under each ``--policies``
   meet the same criterion (p99 TTFT of the window <= ``capacity_ttft_factor`` x the cold
   prefill p99 of the requests): how far the real cluster is from the yardstick.
-* ``--rates`` x ``--seeds``: TTFT p50 / p99 of the window for every policy, per workload
-  seed (seed 0 is the preset's stream), and the means.
+* ``--rates`` x ``--seeds``: TTFT p50 / p90 / p99 and the hit rate of the window for every
+  policy, per workload seed (seed 0 is the preset's stream), and the means.
+* ``--slo-capacity``: per policy and seed, capacity at SLO as the live comparison defines it
+  (the highest rate whose window keeps p90 TTFT <= the preset's ``slo_ttft_ms``; bisection to
+  ``--rel-tol``), where a live run can afford a probe or two.
+* A policy may carry parameters: ``ttft:compute_weight=3,tie_ms=2`` (``;`` between policies
+  when any has parameters), as ``--set policy_params`` does live.
 * ``--trace RATE``: one line per request for the first policy (seed ``--seed``): arrival,
   the first segment's key (e.g. ``hot`` or a group's prefix), worker, reason, the policy's
   predicted TTFT, the simulated TTFT, cached tokens, each engine's queued prompt tokens and
@@ -23,7 +28,9 @@ import argparse
 from typing import Any
 
 import numpy as np
+import yaml
 
+from gateway.routing.policy import make_policy
 from gateway.routing.replication import WarmupIntent
 from loadtest import cli
 from loadtest.clustersim import ClusterConfig, ClusterSim, SimResult, simulate
@@ -52,10 +59,29 @@ def _stream(cfg: CompareConfig, seed: int) -> Stream:
     return Stream(make_workload(cfg.workload, seed=seed, **cfg.params), cfg.mode)
 
 
-def _cluster(cfg: CompareConfig, policy: str, seed: int) -> ClusterConfig:
+def parse_policy(spec: str) -> tuple[str, dict[str, Any]]:
+    """``name`` or ``name:key=value,key=value`` (values parsed as YAML scalars)."""
+    name, _, rest = spec.partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"policy parameter {item!r}: expected key=value")
+        params[key.strip()] = yaml.safe_load(value)
+    return name.strip(), params
+
+
+def split_policies(text: str) -> list[str]:
+    """``--policies``: comma-separated names, or ``;``-separated when a policy has parameters."""
+    return [p for p in (text.split(";") if ";" in text or ":" in text else text.split(",")) if p]
+
+
+def _cluster(cfg: CompareConfig, spec: str, seed: int) -> ClusterConfig:
+    policy, params = parse_policy(spec)
     return ClusterConfig(
         workers=(cfg.prefill_workers or cfg.workers) * cfg.dp_size,
         policy=policy,
+        policy_params=params,
         kv_blocks=cfg.kv_blocks or kv_blocks_from_model(cfg),
         block_size=cfg.block_size,
         timing=cfg.timing,
@@ -89,7 +115,7 @@ def capacities(cfg: CompareConfig, policies: list[str]) -> dict[str, Any]:
 
 def sweep(cfg: CompareConfig, policies: list[str], rates: list[float], seeds: int) -> None:
     for rate in rates:
-        per: dict[str, list[tuple[float, float, float]]] = {p: [] for p in policies}
+        per: dict[str, list[tuple[float, ...]]] = {p: [] for p in policies}
         for seed in range(seeds):
             stream = _stream(cfg, seed)
             items, warmup = stream.window(rate, cfg.duration)
@@ -98,19 +124,53 @@ def sweep(cfg: CompareConfig, policies: list[str], rates: list[float], seeds: in
                 res = simulate(arrivals, _cluster(cfg, policy, seed))
                 t = _window_ttfts(res, warmup)
                 precision = res.summary["index_precision"]
+                p50, p90, p99 = np.percentile(t, [50, 90, 99])
                 per[policy].append(
                     (
-                        float(np.percentile(t, 50)),
-                        float(np.percentile(t, 99)),
+                        float(p50),
+                        float(p90),
+                        float(p99),
+                        res.hit_rate,
                         np.nan if precision is None else precision,
                     )
                 )
         for policy, xs in per.items():
             a = np.array(xs)
-            print(f"rate {rate:6.2f} {policy:12s} p50 {' '.join(f'{x:6.0f}' for x in a[:, 0])}"
-                  f" mean {a[:, 0].mean():6.0f} | p99 {' '.join(f'{x:6.0f}' for x in a[:, 1])}"
-                  f" mean {a[:, 1].mean():6.0f} | index precision (whole run)"
-                  f" {' '.join(f'{x:.4f}' for x in a[:, 2])}")  # fmt: skip
+            cols = " | ".join(
+                f"{name} {' '.join(fmt.format(x) for x in a[:, j])} mean {fmt.format(a[:, j].mean())}"
+                for j, (name, fmt) in enumerate(
+                    (("p50", "{:6.0f}"), ("p90", "{:6.0f}"), ("p99", "{:6.0f}"), ("hit", "{:.3f}"))
+                )
+            )
+            print(f"rate {rate:6.2f} {policy:12s} {cols} | index precision (whole run)"
+                  f" {' '.join(f'{x:.4f}' for x in a[:, 4])}")  # fmt: skip
+
+
+def slo_capacity(
+    cfg: CompareConfig, policies: list[str], seeds: int, rel_tol: float
+) -> dict[str, list[float]]:
+    """Capacity at SLO offline, per policy and workload seed: the live definition
+    (p90 TTFT of the measured window <= ``slo_ttft_ms``), bisected to ``rel_tol``."""
+    out: dict[str, list[float]] = {}
+    for policy in policies:
+        rates: list[float] = []
+        for seed in range(seeds):
+            stream = _stream(cfg, seed)
+
+            def probe(
+                rate: float, policy: str = policy, seed: int = seed, stream: Stream = stream
+            ) -> bool:
+                items, warmup = stream.window(rate, cfg.duration)
+                res = simulate(stream.arrivals(items), _cluster(cfg, policy, seed))
+                t = _window_ttfts(res, warmup)
+                return len(t) > 0 and float(np.percentile(t, 90)) <= cfg.slo_ttft_ms
+
+            found = search_max_rate(probe, start=float(cfg.workers), max_probes=16, rel_tol=rel_tol)
+            rates.append(found.rate)
+        out[policy] = rates
+        print(f"slo capacity {policy:12s} {' '.join(f'{r:6.2f}' for r in rates)}"
+              f" mean {float(np.mean(rates)):6.2f} req/s", flush=True)  # fmt: skip
+    return out
 
 
 class _Traced(ClusterSim):
@@ -175,17 +235,31 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.presettrace", description=__doc__)
     p.add_argument("--preset", default="hot-sudden")
     p.add_argument("--duration", type=float, help="measured seconds (default: the preset's)")
-    p.add_argument("--policies", default="ttft,round_robin")
+    p.add_argument(
+        "--policies",
+        default="ttft,round_robin",
+        help="comma-separated; with parameters ';'-separated: 'ttft:compute_weight=3;round_robin'",
+    )
     p.add_argument("--capacity", action="store_true")
+    p.add_argument("--slo-capacity", action="store_true")
+    p.add_argument("--rel-tol", type=float, default=0.03, help="--slo-capacity's bracket")
     p.add_argument("--rates", help="req/s, comma-separated")
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--trace", type=float, metavar="RATE")
     p.add_argument("--seed", type=int, default=0, help="--trace: the workload's seed")
     args = p.parse_args(argv)
     cfg = _config(args)
-    policies = args.policies.split(",")
+    policies = split_policies(args.policies)
+    try:
+        for spec in policies:
+            name, params = parse_policy(spec)
+            make_policy(name, **params)  # an unknown policy or parameter fails here, clearly
+    except (ValueError, TypeError) as exc:
+        p.error(f"--policies: {exc}")
     if args.capacity:
         print(capacities(cfg, policies))
+    if args.slo_capacity:
+        slo_capacity(cfg, policies, args.seeds, args.rel_tol)
     if args.rates:
         sweep(cfg, policies, [float(x) for x in args.rates.split(",")], args.seeds)
     if args.trace:

@@ -89,3 +89,41 @@ def test_presettrace_sweep_reports_precision(capsys: pytest.CaptureFixture[str])
     assert presettrace.main(["--duration", "6", "--rates", "8", "--policies", "ttft"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("rate")]
     assert float(line.split("index precision (whole run) ")[1]) > 0.5
+
+
+def test_presettrace_capacity_at_slo_with_policy_parameters(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--slo-capacity``: per policy (parameters included) the highest rate whose window
+    keeps p90 TTFT within the preset's SLO; the rate it reports passes when re-run."""
+    from loadtest import presettrace
+
+    args = ["--duration", "6", "--slo-capacity", "--rel-tol", "0.25"]
+    policies = "ttft:compute_weight=3;round_robin"
+    assert presettrace.main([*args, "--policies", policies]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("slo capacity")]
+    assert [x.split()[2] for x in lines] == ["ttft:compute_weight=3", "round_robin"]
+    rate = float(lines[0].split()[3])
+    assert rate > 0
+    cfg = presettrace._config(argparse.Namespace(preset="hot-sudden", duration=6.0))
+    cluster = presettrace._cluster(cfg, "ttft:compute_weight=3", 0)
+    assert (cluster.policy, cluster.policy_params) == ("ttft", {"compute_weight": 3})
+    stream = presettrace._stream(cfg, 0)
+    items, warmup = stream.window(rate, cfg.duration)
+    res = presettrace.simulate(stream.arrivals(items), cluster)
+    assert np.percentile(presettrace._window_ttfts(res, warmup), 90) <= cfg.slo_ttft_ms
+
+
+@pytest.mark.parametrize(
+    "policies, message",
+    [("ttft:bogus=1", "bogus"), ("nope", "nope"), ("ttft:compute_weight", "key=value")],
+)
+def test_presettrace_rejects_bad_policy_specs(
+    policies: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loadtest import presettrace
+
+    with pytest.raises(SystemExit) as exc:
+        presettrace.main(["--duration", "6", "--rates", "8", "--policies", policies])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

@@ -226,6 +226,24 @@ def test_memory_is_freed_by_removal_and_worker_removal() -> None:
     idx.check_invariants()
 
 
+def test_speculated_at_is_when_the_attribution_was_made() -> None:
+    """The policy reads when a speculative holding began (a prefix's first request), for
+    speculative holdings only: not for real ones, unknown workers or expired attributions."""
+    idx = ShadowIndex(speculative_ttl=5.0)
+    chain = CHAINS[-1]
+    idx.add_worker("a")
+    idx.speculate("a", chain, now=2.0)
+    assert idx.speculated_at("a", chain[-1]) == 2.0
+    idx.speculate("a", chain, now=3.0)  # refreshed by a later decision: the latest counts
+    assert idx.speculated_at("a", chain[0]) == 3.0
+    idx.stored("a", None, chain[:2])  # the engine computed the first two blocks
+    assert idx.speculated_at("a", chain[1]) is None
+    assert idx.speculated_at("a", chain[2]) == 3.0
+    assert idx.speculated_at("b", chain[2]) is None
+    idx.expire(9.0)
+    assert idx.speculated_at("a", chain[2]) is None
+
+
 def test_speculation_keeps_a_burst_together_then_expires() -> None:
     idx = ShadowIndex(speculative_ttl=5.0)
     chain = CHAINS[-1]

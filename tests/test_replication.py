@@ -112,6 +112,18 @@ def test_rate_can_count_the_request_being_routed() -> None:
     assert pop.rate(1, 0.1, plus=1.0) == pytest.approx(pop.rate(1, 0.1) * 2, rel=0.01)
 
 
+def test_rate_counts_from_when_the_prefix_was_first_sent() -> None:
+    """``since``: a prefix first matched now but first sent 3 s ago (the request that put
+    it on its holder) is one request over 3 s, not one over ``min_window``."""
+    pop = PrefixPopularity(half_life=20.0, min_window=0.1)
+    lam = math.log(2) / 20.0
+    assert pop.rate(1, 10.0, plus=1.0, since=7.0) == pytest.approx(lam / -math.expm1(-lam * 3.0))
+    assert pop.rate(1, 10.0, plus=1.0) == pytest.approx(lam / -math.expm1(-lam * 0.1))
+    pop.observe(1, 5.0)  # observed since: the earlier of the two counts
+    assert pop.rate(1, 10.0, since=7.0) == pytest.approx(pop.rate(1, 10.0))
+    assert pop.rate(1, 10.0, since=2.0) < pop.rate(1, 10.0)
+
+
 # -- the warm-up book -------------------------------------------------------------------------
 
 
@@ -301,6 +313,33 @@ def test_no_cold_onset_once_the_prefix_is_computed() -> None:
     toks = prefix + ids(101, 64)
     d1 = r.route(KEYER.keys(toks), len(toks), now=1.31)
     assert (d1.worker, d1.reason) == (d0.worker, "cache")
+
+
+def test_a_conversation_turn_behind_its_queued_previous_turn_is_not_an_onset() -> None:
+    """Open-loop traffic past capacity: a conversation's next turn arrives while its
+    previous turn (sent 3 s ago) still waits in its holder's queue, so the holder's match is
+    speculative and its queue holds the prefix. One request in 3 s is not a hot prefix's
+    onset: it stays with the holder (a cache hit behind the queue) instead of going cold to
+    another worker, which would compute the whole conversation again. A prefix's onset
+    (its second request within 50 ms) still spills, as before."""
+
+    def turn_two(gap: float) -> Decision:
+        r = Router(make_policy("ttft"), BS, rng=random.Random(15))
+        for w in ("a", "b"):
+            r.add_worker(w)
+            r.index.add_worker(w)
+        first = ids(16, 12_000)
+        r.index.speculate("a", KEYER.keys(first), 0.0)  # turn 1 routed to "a" at t = 0
+        r.loads.started("a", 8_000, 0.0)  # someone else's prompt ahead of it
+        r.loads.started("a", len(first), 0.0)  # turn 1, still queued
+        r.loads.started("b", 4_000, 0.0)  # "b" busy too (past capacity)
+        toks = first + ids(17, 64)
+        return r.route(KEYER.keys(toks), len(toks), now=gap)
+
+    later = turn_two(3.0)
+    assert (later.worker, later.reason, later.matched_tokens) == ("a", "cache", 12_000)
+    burst = turn_two(0.05)  # the same prefix twice within 50 ms: demand for two holders
+    assert (burst.worker, burst.reason) == ("b", "replicate")
 
 
 def test_no_cold_onset_when_the_holder_is_busy_with_other_work() -> None:

@@ -363,6 +363,18 @@ class ShadowIndex:
         slot = self._slot.get(worker)
         return slot is not None and self._holds_real(key, 1 << slot)
 
+    def speculated_at(self, worker: str, key: int) -> float | None:
+        """When the decision that attributed block ``key`` to ``worker`` speculatively was
+        made (the latest one, if several), or None if that attribution is not speculative."""
+        if self._pending:
+            self.settle()
+        slot = self._slot.get(worker)
+        node = self._node.get(key)
+        if slot is None or node is None or not node.mask & node.spec & (1 << slot):
+            return None
+        expiry = self._spec_exp.get(key | (slot << 64))
+        return None if expiry is None else expiry - self.speculative_ttl
+
     def __len__(self) -> int:
         """Distinct keys in the tree (held, speculative or structural)."""
         if self._pending:

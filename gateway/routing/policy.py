@@ -265,7 +265,9 @@ class PolicyContext:
     """Shared, per-pool inputs: the cost model, a seeded random source, prefix popularity,
     and the warm-ups the policy asked for (the owner sends them: ``WarmupBook.take``).
     ``computed(worker, key)``: whether the engine has reported the block ``key`` on
-    ``worker`` (a match may be only speculative: a prefill still under way); None: unknown."""
+    ``worker`` (a match may be only speculative: a prefill still under way); None: unknown.
+    ``speculated_at(worker, key)``: when the decision that attributed ``key`` to ``worker``
+    speculatively was made (None: not speculative, or unknown)."""
 
     cost: CostModel = field(default_factory=CostModel)
     rng: random.Random = field(default_factory=random.Random)
@@ -273,6 +275,7 @@ class PolicyContext:
     warmups: WarmupBook = field(default_factory=WarmupBook)
     now: float = 0.0
     computed: Callable[[str, int], bool] | None = None
+    speculated_at: Callable[[str, int], float | None] | None = None
 
 
 class Policy(ABC):

@@ -61,19 +61,25 @@ class PrefixPopularity:
         entry = self._w.get(key)
         return 0.0 if entry is None else self._decayed(entry, now)
 
-    def rate(self, key: int, now: float, plus: float = 0.0) -> float:
+    def rate(self, key: int, now: float, plus: float = 0.0, since: float | None = None) -> float:
         """Recent arrivals per second of requests sharing the prefix ending with ``key``.
 
         The decayed count divided by the decayed length of the span it was collected over
         (since the prefix was first seen, at least ``min_window``): for a steady stream of
         ``r`` requests/s this is ``r`` from the first ``min_window`` on, where the count alone
         reaches ``r × half_life / ln 2`` only after several half-lives. ``plus``: requests
-        not yet observed counted as arriving at ``now`` (the one being routed).
+        not yet observed counted as arriving at ``now`` (the one being routed). ``since``:
+        when the prefix is known to have existed already (the first request that carried
+        it, before any request matched it), if earlier than its first observation: one
+        request matching a prefix sent seconds ago is not ``1 / min_window`` requests/s.
         """
         entry = self._w.get(key)
         if entry is None and plus <= 0:
             return 0.0
-        age = max(now - self._first.get(key, now), self.min_window)
+        first = self._first.get(key, now)
+        if since is not None and since < first:
+            first = since
+        age = max(now - first, self.min_window)
         span = -math.expm1(-self._rate * age) / self._rate
         count = 0.0 if entry is None else self._decayed(entry, now)
         return (count + plus) / span

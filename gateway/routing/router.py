@@ -73,7 +73,12 @@ class Router:
         # one bit space for the index's match masks and the tracker's sets (see PoolView)
         self._slot_epoch = self.index.slot_epoch
         self.loads.bind_bits(self.index.bit)
-        self.ctx = PolicyContext(cost=cost, rng=rng or random.Random(), computed=self.index.holds)
+        self.ctx = PolicyContext(
+            cost=cost,
+            rng=rng or random.Random(),
+            computed=self.index.holds,
+            speculated_at=self.index.speculated_at,
+        )
         self.speculate = speculate
         #: the engines' own block size: they reuse whole engine blocks only (set from the
         #: workers' registrations; 1 = any canonical block boundary)

@@ -472,7 +472,13 @@ class PredictedTTFT(Policy):
             return None
         pop = ctx.popularity
         size = len(pool.workers)
-        need = holders_needed(pop.rate(key, ctx.now, plus=1.0), prefill, size, self.replication)
+        # the prefix's demand counted from the request that put it on ``pick`` (its
+        # speculative attribution), not from its first match: a conversation's next turn
+        # sent while its previous one still waits in ``pick``'s queue (open-loop traffic past
+        # capacity) is one request since then, not a burst
+        since = ctx.speculated_at(pick, key) if ctx.speculated_at is not None else None
+        rate = pop.rate(key, ctx.now, plus=1.0, since=since)
+        need = holders_needed(rate, prefill, size, self.replication)
         held = pool.masks[0][1]
         if need <= have and self._none_computed(pool, ctx, held, key):
             # every holder is still computing the prefix, so its prefill has lasted at
