@@ -48,7 +48,14 @@ only speculative), a request that would wait there goes cold to a non-holder (re
 ``replicate``) if it is predicted no slower there and the demand counting it warrants
 another holder: round robin spreads the first cold prefills over the workers at once, and
 waiting a warm-up's worth before starting the second holder made kvroute's cold start
-slower than round robin's. A conversation's own prefix (a low rate) never replicates; one
+slower than round robin's. The demand there counts from the request that put the prefix on
+its holder (the index's speculative attribution), not from the prefix's first match: a
+conversation's next turn sent while its previous turn still waits in the holder's queue
+(open-loop traffic past capacity) is one request in seconds, not a burst. Counted over the
+rate's 0.1 s minimum window instead, such turns went cold to other workers, each computing its
+whole conversation again, and on the chat-eviction preset at 30 req/s that extra work tipped
+the cluster into a collapse it did not leave (docs/benchmarks.md, "Open-loop turns are not an
+onset"). A conversation's own prefix (a low rate) never replicates; one
 system prompt on every request at a high rate ends up on every worker.
 
 LoRA adapters: a request for an adapter is keyed on the adapter's chain (its matches are
