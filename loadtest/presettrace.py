@@ -28,7 +28,6 @@ import argparse
 from typing import Any
 
 import numpy as np
-import yaml
 
 from gateway.routing.policy import make_policy
 from gateway.routing.replication import WarmupIntent
@@ -41,6 +40,7 @@ from loadtest.compare import (
     neutral_capacity,
     search_max_rate,
 )
+from loadtest.simulate import parse_params
 from loadtest.workloads import make_workload
 
 __all__ = ["main"]
@@ -62,13 +62,7 @@ def _stream(cfg: CompareConfig, seed: int) -> Stream:
 def parse_policy(spec: str) -> tuple[str, dict[str, Any]]:
     """``name`` or ``name:key=value,key=value`` (values parsed as YAML scalars)."""
     name, _, rest = spec.partition(":")
-    params: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"policy parameter {item!r}: expected key=value")
-        params[key.strip()] = yaml.safe_load(value)
-    return name.strip(), params
+    return name.strip(), parse_params(filter(None, rest.split(",")))
 
 
 def split_policies(text: str) -> list[str]:
@@ -96,20 +90,27 @@ def _window_ttfts(res: SimResult, warmup: float) -> np.ndarray:
     return np.frombuffer(res.table.ttft, dtype=np.float64)[arrival >= warmup] * 1000.0
 
 
+def _max_rate(
+    cfg: CompareConfig, stream: Stream, spec: str, seed: int, q: float, limit: float, tol: float
+) -> float:
+    """The highest rate at which ``spec``'s window keeps the q-th percentile TTFT <= ``limit``
+    (ms): doubling, then bisection to ``tol``."""
+
+    def probe(rate: float) -> bool:
+        items, warmup = stream.window(rate, cfg.duration)
+        t = _window_ttfts(simulate(stream.arrivals(items), _cluster(cfg, spec, seed)), warmup)
+        return len(t) > 0 and float(np.percentile(t, q)) <= limit
+
+    return search_max_rate(probe, start=float(cfg.workers), max_probes=16, rel_tol=tol).rate
+
+
 def capacities(cfg: CompareConfig, policies: list[str]) -> dict[str, Any]:
     stream = _stream(cfg, cfg.seed)
     pooled = neutral_capacity(stream, cfg)
     limit = pooled["limit_ms"]
     out: dict[str, Any] = {"load_1.0": pooled["capacity_rps"], "limit_ms": limit}
     for policy in policies:
-
-        def probe(rate: float, policy: str = policy) -> bool:
-            items, warmup = stream.window(rate, cfg.duration)
-            res = simulate(stream.arrivals(items), _cluster(cfg, policy, cfg.seed))
-            return float(np.percentile(_window_ttfts(res, warmup), 99)) <= limit
-
-        found = search_max_rate(probe, start=float(cfg.workers), max_probes=16, rel_tol=0.05)
-        out[policy] = found.rate
+        out[policy] = _max_rate(cfg, stream, policy, cfg.seed, 99, limit, 0.05)
     return out
 
 
@@ -151,22 +152,13 @@ def slo_capacity(
 ) -> dict[str, list[float]]:
     """Capacity at SLO offline, per policy and workload seed: the live definition
     (p90 TTFT of the measured window <= ``slo_ttft_ms``), bisected to ``rel_tol``."""
+    streams = [_stream(cfg, seed) for seed in range(seeds)]
     out: dict[str, list[float]] = {}
     for policy in policies:
-        rates: list[float] = []
-        for seed in range(seeds):
-            stream = _stream(cfg, seed)
-
-            def probe(
-                rate: float, policy: str = policy, seed: int = seed, stream: Stream = stream
-            ) -> bool:
-                items, warmup = stream.window(rate, cfg.duration)
-                res = simulate(stream.arrivals(items), _cluster(cfg, policy, seed))
-                t = _window_ttfts(res, warmup)
-                return len(t) > 0 and float(np.percentile(t, 90)) <= cfg.slo_ttft_ms
-
-            found = search_max_rate(probe, start=float(cfg.workers), max_probes=16, rel_tol=rel_tol)
-            rates.append(found.rate)
+        rates = [
+            _max_rate(cfg, stream, policy, seed, 90, cfg.slo_ttft_ms, rel_tol)
+            for seed, stream in enumerate(streams)
+        ]
         out[policy] = rates
         print(f"slo capacity {policy:12s} {' '.join(f'{r:6.2f}' for r in rates)}"
               f" mean {float(np.mean(rates)):6.2f} req/s", flush=True)  # fmt: skip

@@ -359,14 +359,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true")
 
 
-def _params(pairs: list[str]) -> dict[str, Any]:
+def parse_params(pairs: Iterable[str]) -> dict[str, Any]:
+    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}`` (values read as YAML scalars): the
+    workload and policy parameters of the offline tools. ValueError on a malformed pair."""
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--set expects PARAM=VALUE, got {pair!r}")
+        if not sep or not key.strip():
+            raise ValueError(f"expected PARAM=VALUE, got {pair!r}")
         out[key.strip()] = yaml.safe_load(value)
     return out
+
+
+def _params(pairs: list[str]) -> dict[str, Any]:
+    try:
+        return parse_params(pairs)
+    except ValueError as exc:
+        raise SystemExit(f"--set / --policy-param: {exc}") from None
 
 
 class _Stream:

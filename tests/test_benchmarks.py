@@ -131,6 +131,15 @@ def test_simulate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert r["ok"] == (r["projected_full_s"] <= r["q6_budget_s"])
 
 
+def test_hot_rejects_a_malformed_policy_parameter() -> None:
+    """``--policy-param`` must be NAME=VALUE: a clear error before any simulation runs."""
+    parser = argparse.ArgumentParser()
+    benchmarks.add_arguments(parser)
+    args = parser.parse_args(["hot", "--json", "--policy-param", "step_ties"])
+    with pytest.raises(SystemExit, match="--policy-param: expected PARAM=VALUE, got 'step_ties'"):
+        benchmarks.run(args)
+
+
 @pytest.mark.parametrize("stream", ["steady", "sudden"])
 def test_hot(capsys: pytest.CaptureFixture[str], stream: str) -> None:
     r = bench(capsys, "hot", "--workers", "2", "--loads", "0.5", "--duration", "4",

@@ -116,7 +116,7 @@ def test_presettrace_capacity_at_slo_with_policy_parameters(
 
 @pytest.mark.parametrize(
     "policies, message",
-    [("ttft:bogus=1", "bogus"), ("nope", "nope"), ("ttft:compute_weight", "key=value")],
+    [("ttft:bogus=1", "bogus"), ("nope", "nope"), ("ttft:compute_weight", "PARAM=VALUE")],
 )
 def test_presettrace_rejects_bad_policy_specs(
     policies: str, message: str, capsys: pytest.CaptureFixture[str]
@@ -127,3 +127,24 @@ def test_presettrace_rejects_bad_policy_specs(
         presettrace.main(["--duration", "6", "--rates", "8", "--policies", policies])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "pairs, expected",
+    [
+        (["a=1", " b = x", "c=[1, 2]", "d="], {"a": 1, "b": "x", "c": [1, 2], "d": None}),
+        ([], {}),
+    ],
+)
+def test_parse_params_reads_yaml_scalars(pairs: list[str], expected: dict[str, object]) -> None:
+    from loadtest.simulate import parse_params
+
+    assert parse_params(pairs) == expected
+
+
+@pytest.mark.parametrize("bad", ["a", "=1", " =x"])
+def test_parse_params_rejects_pairs_without_a_name_or_value(bad: str) -> None:
+    from loadtest.simulate import parse_params
+
+    with pytest.raises(ValueError, match="expected PARAM=VALUE"):
+        parse_params([bad])

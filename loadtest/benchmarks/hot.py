@@ -35,6 +35,7 @@ from loadtest.clustersim import (
     pooled_config,
     simulate,
 )
+from loadtest.simulate import parse_params
 
 NAME = "hot"
 HELP = "Q3 offline: a hot prefix (steady or sudden), kvroute vs round robin, by load"
@@ -101,7 +102,7 @@ def stream(args: argparse.Namespace, rate: float, seed: int) -> list[Arrival]:
 def _config(args: argparse.Namespace, workers: int, system: str) -> ClusterConfig:
     policy, params = SYSTEMS[system]
     if policy == "ttft":
-        params = {**params, **_params(args.policy_param)}
+        params = {**params, **parse_params(args.policy_param)}
     return ClusterConfig(
         workers=workers,
         policy=policy,
@@ -109,16 +110,6 @@ def _config(args: argparse.Namespace, workers: int, system: str) -> ClusterConfi
         kv_blocks=args.kv_blocks,
         timing=args.timing,
     )
-
-
-def _params(items: list[str]) -> dict[str, Any]:
-    import yaml
-
-    out: dict[str, Any] = {}
-    for item in items:
-        name, _, value = item.partition("=")
-        out[name] = yaml.safe_load(value)
-    return out
 
 
 def _capacity(args: argparse.Namespace, workers: int) -> float:
@@ -134,6 +125,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    try:
+        parse_params(args.policy_param)
+    except ValueError as exc:
+        raise SystemExit(f"--policy-param: {exc}") from None
     rows: list[dict[str, Any]] = []
     table: list[dict[str, Any]] = []
     capacities: dict[int, float] = {}
