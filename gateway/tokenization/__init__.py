@@ -10,6 +10,7 @@ The map, in the order a chat flows through it:
 | ``messages`` | messages and tools checked and converted as vLLM's ``chat_utils`` does |
 | ``template`` | the jinja2 sandbox built like transformers' ``apply_chat_template``; content-format detection; where templates come from |
 | ``splitter`` | cutting rendered text at added tokens exactly as ``tokenizers`` does |
+| ``chunking`` | cutting the text between added tokens into chunks that encode alone (completion prompts, long messages) |
 | ``cache`` | the incremental id cache: pieces and remembered chat prefixes, one LRU by tokens |
 | ``tokenizer`` | ``Tokenizer``, the front: render, cut, look up, encode what is new |
 | ``types`` | ``TokenizationError``, ``TokenizerStats``, ``ChatIds`` |

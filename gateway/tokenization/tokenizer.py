@@ -1,7 +1,8 @@
 """``Tokenizer``: the front of the package (see its ``__init__`` for the map).
 
-A chat is prepared (``messages``), rendered (``template``), cut at added tokens (``splitter``)
-and only the pieces the cache (``cache``) lacks are encoded; ids come from HF ``tokenizers``
+A chat is prepared (``messages``), rendered (``template``), cut at added tokens (``splitter``),
+long text between them cut into chunks (``chunking``; completion prompts too), and only the
+pieces the cache (``cache``) lacks are encoded; ids come from HF ``tokenizers``
 with ``add_special_tokens=False`` for chats (as vLLM and SGLang do) and ``True`` for completion
 prompts. Configurations where a piece's ids could depend on its position, and tokenizers failing
 a self-check at load, fall back to a full encode of every chat; ``stats.incremental`` says
@@ -26,7 +27,9 @@ import jinja2.utils
 import tokenizers
 import tokenizers.models
 
+from gateway.tokenization import chunking
 from gateway.tokenization.cache import IdCache, Plan, Prefix, conversation_keys, or_key
+from gateway.tokenization.chunking import Chunker
 from gateway.tokenization.messages import normalize_messages, prepare_messages, prepare_tools
 from gateway.tokenization.splitter import Splitter, splitting_config, unsafe_reason
 from gateway.tokenization.template import (
@@ -49,6 +52,9 @@ from gateway.tokenization.types import (
 
 # Chats whose uncached text is at least this long are encoded on a worker thread.
 DEFAULT_THREAD_THRESHOLD_CHARS = 8_192
+# Text between added tokens is cut into chunks of about this many characters (~200 tokens of
+# English), the granularity at which prompts sharing a prefix share cached ids.
+DEFAULT_CHUNK_CHARS = 1_024
 
 
 def bundled_test_tokenizer() -> Path:
@@ -132,6 +138,7 @@ class Tokenizer:
         cache_tokens: int = 4_000_000,
         thread_threshold_chars: int = DEFAULT_THREAD_THRESHOLD_CHARS,
         encode_threads: int = 2,
+        chunk_chars: int = DEFAULT_CHUNK_CHARS,
     ) -> None:
         tokenizer.no_truncation()  # transformers (so the engines) never truncate implicitly
         tokenizer.no_padding()
@@ -157,6 +164,8 @@ class Tokenizer:
             tokenizer, "encode_batch_fast", tokenizer.encode_batch
         )
         self._splitter, self.fallback_reason = self._make_splitter()
+        self._chunker, self.chunk_fallback_reason = self._make_chunker(chunk_chars)
+        self._specials = self._completion_specials()
 
     @classmethod
     def load(
@@ -168,6 +177,7 @@ class Tokenizer:
         cache_tokens: int = 4_000_000,
         thread_threshold_chars: int = DEFAULT_THREAD_THRESHOLD_CHARS,
         name: str | None = None,
+        chunk_chars: int = DEFAULT_CHUNK_CHARS,
     ) -> Tokenizer:
         """Load ``path`` (a tokenizer.json, or a model directory holding one) and a chat
         template: None for the model's own (chat_template.jinja or tokenizer_config.json), a
@@ -190,6 +200,7 @@ class Tokenizer:
             normalize=normalize,
             cache_tokens=cache_tokens,
             thread_threshold_chars=thread_threshold_chars,
+            chunk_chars=chunk_chars,
         )
 
     # -- setup ---------------------------------------------------------------------------------
@@ -220,6 +231,38 @@ class Tokenizer:
             if ids != encoding.ids:
                 return text
         return None
+
+    def _make_chunker(self, size: int) -> tuple[Chunker | None, str | None]:
+        """The chunker for text between added tokens, when cutting there is exact."""
+        has_added = bool(self._tk.get_added_tokens_decoder())
+        if self._splitter is None and has_added:
+            return None, "added tokens cannot be cut at: " + str(self.fallback_reason)
+        config = splitting_config(self._tk)
+        split_inside = self._splitter is not None and self._splitter.normalized is not None
+        inner = [t for t in config["added_tokens"] if t["normalized"] and not split_inside]
+        reason = chunking.unsafe_reason(config, type(self._tk.model).__name__, inner)
+        if reason is None:
+            failed = chunking.check(Chunker(1), self._encode_many)
+            reason = f"self-check failed on {failed!r}" if failed else None
+        return (None, reason) if reason else (Chunker(size), None)
+
+    def _completion_specials(self) -> tuple[Ids, Ids] | None:
+        """The ids the post-processor puts before and after a completion prompt's own (a BOS,
+        say), or None when it does more than add fixed ids around them."""
+        if self._chunker is None:
+            return None
+        texts = chunking.probe_texts()
+        plain = self._encode_many(texts)
+        full = self._encode_many(texts, add_special_tokens=True)
+        first, inner = full[0], plain[0]
+        starts = (i for i in range(len(first) + 1) if first[i : i + len(inner)] == inner)
+        head_len = next(starts, None)
+        if head_len is None:
+            return None
+        head, tail = first[:head_len], first[head_len + len(inner) :]
+        if any(f != head + p + tail for f, p in zip(full, plain, strict=True)):
+            return None
+        return self._intern(head), self._intern(tail)
 
     def _intern(self, ids: list[int]) -> Ids:
         """``ids`` as a tuple of the shared int objects (a cached token costs one pointer)."""
@@ -256,19 +299,83 @@ class Tokenizer:
         return [e.ids for e in encodings]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Ids of a completion prompt, as vLLM's /v1/completions computes them."""
+        """Ids of a completion prompt, as vLLM's /v1/completions computes them, reusing the ids
+        of chunks seen before."""
         if not isinstance(text, str):
             raise TokenizationError("prompt must be a string")
-        return self._encode_one(text, add_special_tokens)
+        plan = self._plan_text(text, add_special_tokens)
+        if plan is None:
+            return self._encode_one(text, add_special_tokens)
+        return self._finish_text(plan, self._encode_many(plan.missing), add_special_tokens)
 
     async def aencode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """:meth:`encode`, on a worker thread when the text is long."""
+        """:meth:`encode`; the uncached text goes to a worker thread when it is long."""
         if not isinstance(text, str):
             raise TokenizationError("prompt must be a string")
-        if len(text) < self.thread_threshold_chars:
-            return self._encode_one(text, add_special_tokens)
-        (ids,) = await self._in_thread([text], add_special_tokens)
-        return ids
+        plan = self._plan_text(text, add_special_tokens)
+        if plan is None:
+            if len(text) < self.thread_threshold_chars:
+                return self._encode_one(text, add_special_tokens)
+            (ids,) = await self._in_thread([text], add_special_tokens)
+            return ids
+        if sum(map(len, plan.missing)) < self.thread_threshold_chars:
+            encoded = self._encode_many(plan.missing)
+        else:
+            encoded = await self._in_thread(plan.missing, False)
+        return self._finish_text(plan, encoded, add_special_tokens)
+
+    def _plan_text(self, text: str, add_special_tokens: bool) -> Plan | None:
+        """A completion prompt cut at added tokens and into chunks, its pieces looked up; None
+        when it must be encoded whole."""
+        if self._chunker is None or (add_special_tokens and self._specials is None):
+            return None
+        items = self._split(text)
+        if items is None:
+            return None
+        return self._lookup(Plan(text, None, (), 0, items, [], []))
+
+    def _finish_text(
+        self, plan: Plan, encoded: list[list[int]], add_special_tokens: bool
+    ) -> list[int]:
+        """Cache the new pieces and concatenate a completion prompt's ids."""
+        fresh = self._store(plan, encoded)
+        head, tail = self._specials if add_special_tokens and self._specials else ((), ())
+        out = list(head)
+        for item, ids in zip(plan.items, plan.resolved, strict=True):
+            if isinstance(item, int):
+                out.append(item)
+            else:
+                out.extend(ids if isinstance(ids, tuple) else fresh[item])
+        out.extend(tail)
+        return out
+
+    def _split(self, text: str) -> list[str | int] | None:
+        """``text`` cut at added tokens (when it can be) and its text pieces into chunks."""
+        if self._splitter is not None:
+            items = self._splitter.split(text)
+        elif self._chunker is not None:  # no added tokens at all
+            items = [text]
+        else:
+            return None
+        chunker = self._chunker
+        if items is None or chunker is None:
+            return items
+        size = chunker.size
+        out: list[str | int] = []
+        for item in items:
+            if isinstance(item, str) and len(item) > size:
+                out.extend(chunker.chunks(item))
+            else:
+                out.append(item)
+        return out
+
+    def _lookup(self, plan: Plan) -> Plan:
+        """Fill the plan's cached ids from the piece cache and list what is missing."""
+        pieces = list(dict.fromkeys(i for i in plan.items if isinstance(i, str)))
+        found = dict(zip(pieces, self._cache.get_pieces(pieces), strict=True))
+        plan.missing = [p for p, ids in found.items() if ids is None]
+        plan.resolved = [i if isinstance(i, int) else or_key(found[i], i) for i in plan.items]
+        return plan
 
     async def _in_thread(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         loop = asyncio.get_running_loop()
@@ -402,16 +509,12 @@ class Tokenizer:
             self._full_encodes += 1
             return None
         head, start = self._reuse_prefix(text, keys)
-        items = splitter.split(text[start:] if start else text)
+        items = self._split(text[start:] if start else text)
         if items is None:
             self._full_encodes += 1
             return None
-        pieces = list(dict.fromkeys(i for i in items if isinstance(i, str)))
-        found = dict(zip(pieces, self._cache.get_pieces(pieces), strict=True))
-        missing = [p for p, ids in found.items() if ids is None]
-        resolved = [i if isinstance(i, int) else or_key(found[i], i) for i in items]
         key = keys[-1] if keys and not splitter.strips else None
-        return Plan(text, key, head, start, items, resolved, missing)
+        return self._lookup(Plan(text, key, head, start, items, [], []))
 
     def _reuse_prefix(self, text: str, keys: list[int]) -> tuple[Ids, int]:
         """The remembered ids of the longest earlier chat of this conversation whose text this
@@ -434,8 +537,7 @@ class Tokenizer:
         are the same strings, and after the cut (a match end) a new piece starts. Cutting
         only after first-pass tokens would leave a long system prompt followed by
         second-pass tokens (DeepSeek's ``<｜User｜>``) outside every remembered prefix."""
-        fresh = {p: self._intern(ids) for p, ids in zip(plan.missing, encoded, strict=True)}
-        self._cache.put_pieces(fresh.items())
+        fresh = self._store(plan, encoded)
         splitter = self._splitter
         assert splitter is not None
         out = list(plan.head)
@@ -457,6 +559,12 @@ class Tokenizer:
             remembered = plan.head + tuple(out[len(plan.head) : cut[1]])
             self._cache.put_prefix(plan.key, Prefix(plan.text, cut[0], remembered))
         return ChatIds(out, plan.head, remembered)
+
+    def _store(self, plan: Plan, encoded: list[list[int]]) -> dict[str, Ids]:
+        """Cache the plan's newly encoded pieces; the map from piece to ids."""
+        fresh = {p: self._intern(ids) for p, ids in zip(plan.missing, encoded, strict=True)}
+        self._cache.put_pieces(fresh.items())
+        return fresh
 
     def clear_cache(self) -> None:
         """Drop every cached piece and prefix (the counters are kept)."""
@@ -497,6 +605,8 @@ class Tokenizer:
             full_encodes=self._full_encodes,
             incremental=self._splitter is not None,
             fallback_reason=self.fallback_reason,
+            chunked=self._chunker is not None,
+            chunk_fallback_reason=self.chunk_fallback_reason,
         )
 
     def __repr__(self) -> str:

@@ -29,6 +29,8 @@ class TokenizerStats:
     full_encodes: int  # chats encoded in one piece because splitting is unsafe or overlapped
     incremental: bool  # whether this tokenizer's configuration allows the piece cache at all
     fallback_reason: str | None
+    chunked: bool = False  # whether text between added tokens is cut into cached chunks
+    chunk_fallback_reason: str | None = None
 
 
 Ids = tuple[int, ...]

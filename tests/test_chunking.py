@@ -1,0 +1,246 @@
+"""gateway.tokenization.chunking: completion prompts and long chat pieces cut into chunks whose
+ids are cached; ids identical to a plain encode for every text, a shared prefix paid once,
+configurations where a cut could change the ids falling back to whole encodes."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tokenizers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, normalizers, pre_tokenizers, processors
+
+from gateway.tokenization import Tokenizer, bundled_test_tokenizer
+from gateway.tokenization.chunking import Chunker, _outside_classes, unsafe_reason
+from gateway.tokenization.splitter import splitting_config
+
+PATH = bundled_test_tokenizer()
+PROPERTY = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+# Characters and words around which pre-tokenizers cut differently.
+ATOMS = [
+    "a", "Z", "hello", " ", "  ", "\n", "\t", "'s", "'LL", "123", "4567", ".", ",", "!?",
+    "é", "naïve", "日本", "テキスト", "🙂", "\u0301", "<｜User｜>", "<｜Assistant｜>", "\r\n",
+    " world", " x", "-", "__",
+]  # fmt: skip
+texts = st.lists(st.sampled_from(ATOMS), max_size=60).map("".join)
+
+
+@pytest.fixture(scope="module")
+def plain() -> tokenizers.Tokenizer:
+    return tokenizers.Tokenizer.from_file(str(PATH))
+
+
+def load(chunk_chars: int, **kw: Any) -> Tokenizer:
+    return Tokenizer.load(PATH, "deepseek-v3", chunk_chars=chunk_chars, **kw)
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[Tokenizer]:
+    """Chunks of 4+ characters: a cut at nearly every chance."""
+    tk = load(4, cache_tokens=300)
+    yield tk
+    tk.close()
+
+
+# -- the chunker -------------------------------------------------------------------------------
+
+
+@given(text=texts, size=st.integers(1, 12))
+def test_chunks_cut_only_between_a_letter_and_a_space(text: str, size: int) -> None:
+    chunks = Chunker(size).chunks(text)
+    assert "".join(chunks) == text
+    assert all(chunks) or chunks == [""]
+    for before, after in itertools.pairwise(chunks):
+        assert len(before) >= size
+        assert before[-1].isascii() and before[-1].isalpha()
+        assert after[0] == " " and after[1].isascii() and after[1].isalpha()
+
+
+@given(text=texts, size=st.integers(1, 12), data=st.data())
+def test_a_cut_depends_only_on_the_text_up_to_it(text: str, size: int, data: Any) -> None:
+    """Texts sharing a prefix share every chunk that ends before the prefix's last character:
+    what makes the chunks of a shared document hit the cache."""
+    k = data.draw(st.integers(0, len(text)))
+    full, short = Chunker(size).chunks(text), Chunker(size).chunks(text[:k])
+    ended = 0
+    for i, chunk in enumerate(full):
+        ended += len(chunk)
+        if ended >= k - 1:
+            break
+        assert short[i] == chunk
+
+
+def test_chunk_size_is_checked() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        Chunker(0)
+
+
+# -- exact ids ---------------------------------------------------------------------------------
+
+
+@PROPERTY
+@given(parts=st.lists(texts, min_size=1, max_size=4), special=st.booleans())
+def test_completion_ids_identical_to_a_plain_encode(
+    small: Tokenizer, plain: tokenizers.Tokenizer, parts: list[str], special: bool
+) -> None:
+    """Prompts growing from a shared start (as requests sharing a document do), encoded through
+    a tiny cache (evictions on the way): ids equal the plain encode's, sync and async."""
+    prompt = ""
+    for part in parts:
+        prompt += part
+        expected = plain.encode(prompt, add_special_tokens=special).ids
+        assert small.encode(prompt, add_special_tokens=special) == expected
+        assert asyncio.run(small.aencode(prompt, add_special_tokens=special)) == expected
+
+
+@PROPERTY
+@given(system=texts, user=texts)
+def test_chat_ids_identical_with_chunked_pieces(
+    small: Tokenizer, plain: tokenizers.Tokenizer, system: str, user: str
+) -> None:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    text = small.render_chat(messages)
+    assert small.encode_chat(messages) == plain.encode(text, add_special_tokens=False).ids
+
+
+def test_shared_prefix_is_encoded_once(plain: tokenizers.Tokenizer) -> None:
+    """A second prompt under the same 6,000-word document encodes about its own question only
+    (what differs, plus the chunk it starts in), and its ids are exact."""
+    tk = load(1024)
+    words = ["alpha", "beta", "gamma", "delta", "kappa", "omega"]
+    document = "".join(" " + words[(i * 7) % 6] + ("s" if i % 3 == 0 else "") for i in range(6000))
+    first, second = document + " What is alpha?", document + " Why is beta here at all?"
+    assert tk.encode(first) == plain.encode(first).ids
+    before = tk.stats.token_misses
+    ids = tk.encode(second)
+    assert ids == plain.encode(second).ids
+    assert tk.stats.token_misses - before < 300 < len(ids) / 20
+
+
+async def test_long_cold_completion_goes_to_a_worker_thread() -> None:
+    """The uncached part of a long completion is encoded off the event loop."""
+    tk = load(1024, thread_threshold_chars=1000)
+    text = "The gateway routes every request to the warmest worker. " * 500
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    ids = await tk.aencode(text)
+    stop.set()
+    await task
+    tk.close()
+    assert ids == tk.encode(text) and ticks - before > 0
+
+
+# -- configurations --------------------------------------------------------------------------
+
+
+def test_bos_and_eos_added_around_chunked_prompts(tmp_path: Path) -> None:
+    base = tokenizers.Tokenizer.from_file(str(PATH))
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    base.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}",
+        special_tokens=[(bos, base.token_to_id(bos)), (eos, base.token_to_id(eos))],
+    )
+    path = tmp_path / "bos.json"
+    base.save(str(path))
+    tk = Tokenizer.load(path, "deepseek-v3", chunk_chars=8)
+    oracle = tokenizers.Tokenizer.from_file(str(path))
+    text = " ".join(["routing", "keys", "are", "tokens"] * 40)
+    assert tk.chunk_fallback_reason is None
+    for special in (True, False):
+        expected = oracle.encode(text, add_special_tokens=special).ids
+        assert tk.encode(text, add_special_tokens=special) == expected
+    assert tk.encode(text)[0] == base.token_to_id(bos) and tk.encode(text)[-1] == base.token_to_id(
+        eos
+    )
+    assert tk.stats.piece_hits > 0
+
+
+def _variant(tmp_path: Path, name: str, **parts: Any) -> Path:
+    base = tokenizers.Tokenizer.from_file(str(PATH))
+    for attr, value in parts.items():
+        if attr == "added":
+            base.add_tokens(value)
+        else:
+            setattr(base, attr, value)
+    path = tmp_path / f"{name}.json"
+    base.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("parts", "reason"),
+    [
+        ({"normalizer": normalizers.Prepend("▁")}, "normalizer Prepend"),
+        ({"pre_tokenizer": pre_tokenizers.Metaspace()}, "pre-tokenizer Metaspace"),
+        ({"pre_tokenizer": pre_tokenizers.Split(tokenizers.Regex(r"\b"), "isolated")}, "anchors"),
+        (
+            {"pre_tokenizer": pre_tokenizers.Split(tokenizers.Regex(r"(?<=a) "), "isolated")},
+            "anchors",
+        ),
+        # a regex that pairs words: a cut moves where a space attaches, ids would differ
+        (
+            {
+                "pre_tokenizer": pre_tokenizers.Sequence(
+                    [
+                        pre_tokenizers.Split(tokenizers.Regex(r"\w+ \w+"), "isolated"),
+                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                    ]
+                )
+            },
+            "self-check failed",
+        ),
+        ({"added": [AddedToken("<m>", single_word=True)]}, "matched inside pieces"),
+        ({"added": [AddedToken("<m>", normalized=False, single_word=True)]}, "cannot be cut at"),
+        ({"added": [AddedToken("New York")]}, None),  # split out exactly before chunking
+        ({"normalizer": normalizers.NFKC(), "added": [AddedToken("New York")]}, "span a cut"),
+        ({"normalizer": normalizers.NFKC()}, None),
+    ],
+)
+def test_configurations_where_a_cut_could_change_ids_encode_whole(
+    tmp_path: Path, parts: dict[str, Any], reason: str | None
+) -> None:
+    path = _variant(tmp_path, "variant", **parts)
+    tk = Tokenizer.load(path, "deepseek-v3", chunk_chars=4)
+    oracle = tokenizers.Tokenizer.from_file(str(path))
+    assert tk.stats.chunked is (reason is None)
+    if reason is None:
+        assert tk.chunk_fallback_reason is None
+    else:
+        assert reason in str(tk.stats.chunk_fallback_reason)
+    for text in [
+        "hello world and more words here",
+        "a b <m> c d e f g",
+        "to New York x",
+        "x " * 50,
+    ]:
+        assert tk.encode(text) == tk.encode(text) == oracle.encode(text).ids
+    assert (tk.stats.piece_hits > 0) is (reason is None)
+
+
+def test_unsafe_reasons_from_the_configuration() -> None:
+    config = splitting_config(tokenizers.Tokenizer.from_file(str(PATH)))
+    assert unsafe_reason(config, "BPE") is None
+    assert "Unigram" in str(unsafe_reason(config, "Unigram"))
+    assert "dropout" in str(unsafe_reason({**config, "model": {"dropout": 0.1}}, "BPE"))
+    assert "no pre-tokenizer" in str(unsafe_reason({**config, "pre_tokenizer": None}, "BPE"))
+    # ^ and $ inside classes are characters; outside they are anchors
+    assert _outside_classes(r"[^\s$]+|\p{L}\^") == r"+|\p{L}"
+    assert _outside_classes(r"[a[^b]]^") == "^"
