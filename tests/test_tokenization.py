@@ -1077,6 +1077,8 @@ def test_benchmark_smoke() -> None:
     assert result["ok"] and result["ids_identical"] and result["conversation_tokens"] >= 1500
     assert 0 < result["tokenize_followup_ratio"] < 1
     assert result["table"][0]["measure"].startswith("cold")
+    # a completion after a known document encodes about its question only, exactly
+    assert result["chunked"] and 0 < result["completion_shared_ratio"] < 0.5
     # the gateway bench's shape: one long system prompt, then many short turns
     args = ["--tokens", "1500", "--repeats", "2", "--messages", "9", "--reply-words", "8"]
     shaped = tokenize.run(parser.parse_args([*args, "--user-words", "12"]))
