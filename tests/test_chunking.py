@@ -125,29 +125,6 @@ def test_shared_prefix_is_encoded_once(plain: tokenizers.Tokenizer) -> None:
     assert tk.stats.token_misses - before < 300 < len(ids) / 20
 
 
-async def test_long_cold_completion_goes_to_a_worker_thread() -> None:
-    """The uncached part of a long completion is encoded off the event loop."""
-    tk = load(1024, thread_threshold_chars=1000)
-    text = "The gateway routes every request to the warmest worker. " * 500
-    ticks = 0
-    stop = asyncio.Event()
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while not stop.is_set():
-            ticks += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0)
-    before = ticks
-    ids = await tk.aencode(text)
-    stop.set()
-    await task
-    tk.close()
-    assert ids == tk.encode(text) and ticks - before > 0
-
-
 # -- configurations --------------------------------------------------------------------------
 
 

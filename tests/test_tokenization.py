@@ -646,6 +646,7 @@ async def test_long_encodes_do_not_block_the_event_loop(tok: Tokenizer) -> None:
     ids = tok.encode(text)  # blocks the loop
     blocked_ticks = ticks - before
     before = ticks
+    # a completion's uncached chunks go to the thread as a whole text would
     assert await tok.aencode(text_of("call")) == tok.encode(text_of("call"))
     async_ticks = ticks - before
     chat = [{"role": "user", "content": text_of("turn")}]
