@@ -9,6 +9,7 @@ speculation and the prefix-key cache) once the request is on its way.
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 import time
@@ -26,6 +27,8 @@ from gateway.routing.policy import make_policy
 from gateway.routing.router import Router
 from gateway.tokenization import ChatIds, TokenizationError, Tokenizer, normalize_messages
 from gateway.warmup import Warmer
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Pool", "Prepared"]
 
@@ -65,6 +68,12 @@ class Pool:
             cache_tokens=settings.tokenizer_cache_tokens,
             thread_threshold_chars=settings.tokenize_thread_chars or sys.maxsize,
         )
+        for what, reason in (
+            ("chats are encoded whole", self.tokenizer.fallback_reason),
+            ("completions are encoded whole", self.tokenizer.chunk_fallback_reason),
+        ):
+            if reason is not None:  # exact either way, only slower: say why once
+                log.warning("pool %s: %s (%s)", self.name, what, reason)
         self.keyer = BlockKeyer(hash_seed, settings.block_size)
         # keys of the chat prefixes the tokenizer remembers, held for as many tokens
         self.prefix_keys = PrefixKeys(self.keyer, settings.tokenizer_cache_tokens)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -365,3 +367,35 @@ def test_pool_tokenize_thread_chars_sets_the_offload_and_zero_turns_it_off() -> 
     bad = GatewayConfig(pools=[PoolSettings("m", path, tokenize_thread_chars=-1)])
     with pytest.raises(ConfigError, match="tokenize_thread_chars: must be >= 0"):
         bad.validate()
+
+
+def test_pool_says_when_its_tokenizer_encodes_whole(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tokenizer whose configuration rules out the piece cache and chunks is exact but
+    slower: the pool warns once, with the reason; a cacheable one says nothing."""
+    import tokenizers
+    from tokenizers import pre_tokenizers
+
+    from gateway.config import PoolSettings
+    from gateway.pool import Pool
+    from gateway.routing.index import ShadowIndex
+    from gateway.tokenization import bundled_test_tokenizer
+
+    base = tokenizers.Tokenizer.from_file(str(bundled_test_tokenizer()))
+    base.pre_tokenizer = pre_tokenizers.Metaspace()
+    path = tmp_path / "metaspace.json"
+    base.save(str(path))
+    for tok_path, warned in ((str(bundled_test_tokenizer()), False), (str(path), True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gateway.pool"):
+            pool = Pool(
+                PoolSettings("m", tok_path, chat_template="deepseek-v3"), ShadowIndex(), "s"
+            )
+        pool.tokenizer.close()
+        messages = [r.getMessage() for r in caplog.records]
+        assert bool(messages) is warned
+        if warned:
+            assert messages == [
+                "pool m: completions are encoded whole (pre-tokenizer Metaspace is not known to be local)"
+            ]
