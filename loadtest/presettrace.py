@@ -25,6 +25,11 @@ timing, speed-up), to read a live cell offline:
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +44,7 @@ from loadtest.compare import (
     kv_blocks_from_model,
     neutral_capacity,
     search_max_rate,
+    write_trace_window,
 )
 from loadtest.simulate import parse_params
 from loadtest.workloads import make_workload
@@ -52,11 +58,23 @@ def _config(args: argparse.Namespace) -> CompareConfig:
     argv = ["compare", "--preset", args.preset]
     if args.duration:
         argv += ["--duration", str(args.duration)]
-    return cli.compare_config(p.parse_args(argv))
+    cfg = cli.compare_config(p.parse_args(argv))
+    if cfg.workload == "trace" and not cfg.params.get("path"):
+        # the compare writes the preset's synthetic trace window into its out_dir; here it
+        # goes to a directory of this process's own
+        if cfg.synthetic_trace is None:
+            raise SystemExit(f"preset {args.preset!r}: workload 'trace' needs params.path")
+        directory = Path(tempfile.mkdtemp(prefix="kvroute-presettrace-"))
+        atexit.register(shutil.rmtree, directory, True)
+        window = write_trace_window(directory / "trace.jsonl", **asdict(cfg.synthetic_trace))
+        cfg.params = {**cfg.params, "path": str(window)}
+    return cfg
 
 
 def _stream(cfg: CompareConfig, seed: int) -> Stream:
-    return Stream(make_workload(cfg.workload, seed=seed, **cfg.params), cfg.mode)
+    workload = make_workload(cfg.workload, seed=seed, **cfg.params)
+    # a trace's prompts are token ids: the offline simulator takes them as they are
+    return Stream(workload, "completion_ids" if workload.prompt_kind == "ids" else cfg.mode)
 
 
 def parse_policy(spec: str) -> tuple[str, dict[str, Any]]:

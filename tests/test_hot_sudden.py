@@ -16,6 +16,7 @@ of this stream, so the test runs past that.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,6 +90,21 @@ def test_presettrace_sweep_reports_precision(capsys: pytest.CaptureFixture[str])
     assert presettrace.main(["--duration", "6", "--rates", "8", "--policies", "ttft"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("rate")]
     assert float(line.split("index precision (whole run) ")[1]) > 0.5
+
+
+def test_presettrace_runs_a_trace_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace preset (its synthetic window written to a directory of the run's own, the
+    prompts taken as token ids) sweeps like a text one; the directory is gone at exit."""
+    from loadtest import presettrace
+
+    args = ["--preset", "trace-production", "--duration", "5", "--rates", "2"]
+    assert presettrace.main([*args, "--policies", "ttft,round_robin"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("rate")]
+    assert [x.split()[2] for x in lines] == ["ttft", "round_robin"]
+    hits = [float(x.split("| hit ")[1].split()[0]) for x in lines]
+    assert all(0.0 < h < 0.5 for h in hits)  # the shared first block, little else
+    cfg = presettrace._config(argparse.Namespace(preset="trace-production", duration=5.0))
+    assert Path(cfg.params["path"]).is_file()
 
 
 def test_presettrace_capacity_at_slo_with_policy_parameters(
