@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -50,25 +51,53 @@ def post_json(
         return json.loads(resp.read() or b"null")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel picks it)."""
+def _listen_range() -> range:
+    """Ports to hand to child servers: below the kernel's ephemeral range. A port the kernel
+    picks for ``bind(0)`` is free only until an outgoing connection takes it, and a child
+    binds it a second or more later (an agent's metrics port was lost that way in CI). Empty
+    where the range cannot be read or leaves no room."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        low = int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(10_000, low) if low > 12_000 else range(0)
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "127.0.0.1", taken: frozenset[int] = frozenset()) -> int:
+    """A TCP port that was free a moment ago, outside the kernel's ephemeral range when it can
+    be (see :func:`_listen_range`), else one the kernel picks; never one of ``taken``."""
+    ports = _listen_range()
+    if ports:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.choice(ports)
+            if port not in taken and _bindable(host, port):
+                return port
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in taken:
+            return port
+    raise HarnessError("no free TCP port")
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free ports, held open together while choosing so they differ."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct free ports."""
+    out: list[int] = []
+    for _ in range(n):
+        out.append(free_port(host, frozenset(out)))
+    return out
 
 
 def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import socket
 import sys
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import redis
 
-from loadtest.harness import ChildProcess, HarnessError, RedisServer, free_ports
+from loadtest import harness
+from loadtest.harness import ChildProcess, HarnessError, RedisServer, free_port, free_ports
 
 
 def test_redis_server_kill_and_restart_keeps_port(redis_server: RedisServer) -> None:
@@ -36,6 +39,26 @@ def test_free_ports_distinct() -> None:
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_free_ports_stay_out_of_the_ephemeral_range() -> None:
+    """Ports for child servers come from below the kernel's ephemeral range (where outgoing
+    connections and bind(0) cannot take them before the child binds), skip a port in use,
+    and fall back to the kernel's choice when that range is unknown."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(10_000 <= p < low for p in free_ports(20))
+    busy = free_port()
+    with (
+        socket.socket() as held,
+        mock.patch.object(harness, "_listen_range", return_value=range(busy, busy + 1)),
+    ):
+        held.bind(("127.0.0.1", busy))  # the only candidate is in use: the kernel's choice
+        port = free_port()
+        assert port != busy and port >= low
+    with mock.patch.object(harness, "_listen_range", return_value=range(0)):
+        assert free_port() >= low
+    ports = free_ports(30)  # distinct because each call passes the others as `taken`
+    assert len(set(ports)) == 30
 
 
 def test_child_process_log_and_failure(logs) -> None:
