@@ -30,6 +30,7 @@ __all__ = [
     "RedisServer",
     "free_port",
     "free_ports",
+    "port_free",
     "post_json",
     "wait_for_port",
 ]
@@ -64,7 +65,8 @@ def _listen_range() -> range:
     return range(10_000, low) if low > 12_000 else range(0)
 
 
-def _bindable(host: str, port: int) -> bool:
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a listener could bind ``host:port`` now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
@@ -81,7 +83,7 @@ def free_port(host: str = "127.0.0.1", taken: frozenset[int] = frozenset()) -> i
         rng = random.SystemRandom()
         for _ in range(200):
             port = rng.choice(ports)
-            if port not in taken and _bindable(host, port):
+            if port not in taken and port_free(port, host):
                 return port
     for _ in range(200):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

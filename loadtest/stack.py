@@ -37,7 +37,14 @@ from urllib.parse import urlsplit
 import yaml
 
 from gateway.contract.wire import key_digest
-from loadtest.harness import ChildProcess, HarnessError, RedisServer, free_port, post_json
+from loadtest.harness import (
+    ChildProcess,
+    HarnessError,
+    RedisServer,
+    free_port,
+    port_free,
+    post_json,
+)
 from loadtest.redis_topologies import LocalCluster
 from loadtest.vllmcpu import VllmCpuCluster, VllmCpuEngine, make_model_dir
 
@@ -611,13 +618,7 @@ def port_block(n: int, avoid: set[int] | frozenset[int] = frozenset()) -> int:
 
 
 def _ports_free(base: int, n: int) -> bool:
-    for p in range(base, base + n):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                return False
-    return True
+    return all(port_free(p) for p in range(base, base + n))
 
 
 def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:

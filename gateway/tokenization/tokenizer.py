@@ -163,8 +163,9 @@ class Tokenizer:
         self._batch: Callable[..., list[Any]] = getattr(
             tokenizer, "encode_batch_fast", tokenizer.encode_batch
         )
-        self._splitter, self.fallback_reason = self._make_splitter()
-        self._chunker, self.chunk_fallback_reason = self._make_chunker(chunk_chars)
+        config = splitting_config(tokenizer)
+        self._splitter, self.fallback_reason = self._make_splitter(config)
+        self._chunker, self.chunk_fallback_reason = self._make_chunker(config, chunk_chars)
         self._specials = self._completion_specials()
 
     @classmethod
@@ -205,8 +206,7 @@ class Tokenizer:
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def _make_splitter(self) -> tuple[Splitter | None, str | None]:
-        config = splitting_config(self._tk)
+    def _make_splitter(self, config: dict[str, Any]) -> tuple[Splitter | None, str | None]:
         reason = unsafe_reason(config, bool(getattr(self._tk, "encode_special_tokens", False)))
         if reason is not None:
             return None, reason
@@ -232,12 +232,10 @@ class Tokenizer:
                 return text
         return None
 
-    def _make_chunker(self, size: int) -> tuple[Chunker | None, str | None]:
+    def _make_chunker(self, config: dict[str, Any], size: int) -> tuple[Chunker | None, str | None]:
         """The chunker for text between added tokens, when cutting there is exact."""
-        has_added = bool(self._tk.get_added_tokens_decoder())
-        if self._splitter is None and has_added:
+        if self._splitter is None and config["added_tokens"]:
             return None, "added tokens cannot be cut at: " + str(self.fallback_reason)
-        config = splitting_config(self._tk)
         split_inside = self._splitter is not None and self._splitter.normalized is not None
         inner = [t for t in config["added_tokens"] if t["normalized"] and not split_inside]
         reason = chunking.unsafe_reason(config, type(self._tk.model).__name__, inner)
