@@ -48,6 +48,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from gateway.routing.policy import make_policy
 from loadtest.clustersim import (
     Arrival,
     ClusterConfig,
@@ -198,6 +199,9 @@ class CompareConfig:
     #: trace workload without params.path: write a window of the project's synthetic trace
     #: to <out_dir>/trace.jsonl (see SyntheticTrace)
     synthetic_trace: SyntheticTrace | None = None
+    #: parameters of the ``kvroute`` system's policy (ttft), e.g. ``{long_tie_ratio: 1}``
+    #: (``--set policy_params.long_tie_ratio=1``); the kvroute-<policy> baselines ignore them
+    policy_params: dict[str, Any] = field(default_factory=dict)
     #: gateway replicas per kvroute system (and peer processes); the driver spreads requests
     #: over them round-robin, like a load balancer in front
     replicas: int = 1
@@ -689,6 +693,7 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
     """Run every (system, load) pair and each system's capacity at SLO; write JSON, markdown
     and plots to ``cfg.out_dir`` (the report is on disk after every run)."""
     _check_systems([*cfg.systems, *(cfg.smg_variants if cfg.tune_smg else ())])
+    make_policy("ttft", **cfg.policy_params)  # bad parameters fail here, before any process
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     params = dict(cfg.params)
@@ -918,6 +923,7 @@ class _Runner:
         else:
             _, _, policy = system.partition("-")
             stack.config.policy = policy or "ttft"
+            stack.config.policy_params = {} if policy else dict(cfg.policy_params)
             for g in range(cfg.replicas):
                 if g < len(stack.gateways):
                     stack.restart_gateway(g)

@@ -9,8 +9,8 @@ timing, speed-up), to read a live cell offline:
   and beside it the highest rate at which the N separate workers under each ``--policies``
   meet the same criterion (p99 TTFT of the window <= ``capacity_ttft_factor`` x the cold
   prefill p99 of the requests): how far the real cluster is from the yardstick.
-* ``--rates`` x ``--seeds``: TTFT p50 / p90 / p99 and the hit rate of the window for every
-  policy, per workload seed (seed 0 is the preset's stream), and the means.
+* ``--rates`` x ``--seeds``: TTFT p50 / p90 / p99, the hit rate and the goodput (share of
+  requests within the preset's ``slo_ttft_ms``) of the window for every policy, per workload seed (seed 0 is the preset's stream), and the means.
 * ``--slo-capacity``: per policy and seed, capacity at SLO as the live comparison defines it
   (the highest rate whose window keeps p90 TTFT <= the preset's ``slo_ttft_ms``; bisection to
   ``--rel-tol``), where a live run can afford a probe or two.
@@ -151,15 +151,21 @@ def sweep(cfg: CompareConfig, policies: list[str], rates: list[float], seeds: in
                         float(p99),
                         res.hit_rate,
                         np.nan if precision is None else precision,
+                        float(np.mean(t <= cfg.slo_ttft_ms)),
                     )
                 )
         for policy, xs in per.items():
             a = np.array(xs)
+            columns = (  # (name, format, column of ``a``); column 4 is the precision
+                ("p50", "{:6.0f}", 0),
+                ("p90", "{:6.0f}", 1),
+                ("p99", "{:6.0f}", 2),
+                ("hit", "{:.3f}", 3),
+                (f"goodput(<={cfg.slo_ttft_ms:.0f}ms)", "{:.3f}", 5),
+            )
             cols = " | ".join(
                 f"{name} {' '.join(fmt.format(x) for x in a[:, j])} mean {fmt.format(a[:, j].mean())}"
-                for j, (name, fmt) in enumerate(
-                    (("p50", "{:6.0f}"), ("p90", "{:6.0f}"), ("p99", "{:6.0f}"), ("hit", "{:.3f}"))
-                )
+                for name, fmt, j in columns
             )
             print(f"rate {rate:6.2f} {policy:12s} {cols} | index precision (whole run)"
                   f" {' '.join(f'{x:.4f}' for x in a[:, 4])}")  # fmt: skip

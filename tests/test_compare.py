@@ -287,7 +287,8 @@ def test_trace_compare_at_smoke_size(tmp_path: Path) -> None:
                               take=300, mean_input=1200, mean_output=8)  # fmt: skip
     cfg = small(tmp_path, ["kvroute", "vllm-router-kv_aware", "smg-round_robin"],
                 workload="trace", params={"path": str(path)}, capacity_rps=0.0, kv_blocks=0,
-                trace_prompts="ids", speedup=20.0, loads=[0.3], duration=5.0)  # fmt: skip
+                trace_prompts="ids", speedup=20.0, loads=[0.3], duration=5.0,
+                policy_params={"long_tie_ratio": 1.0})  # fmt: skip
     report = run_compare(cfg)
     assert report["config"]["mode"] == "completion_ids"
     ref = report["offline_reference"]
@@ -358,6 +359,10 @@ def test_cli_compare_options(tmp_path: Path) -> None:
     assert cli.run(args) == 2  # a trace needs params.path: a usage error, not a traceback
     args = p.parse_args(["compare", "--systems", "kvroute,smg-bogus", "--out-dir", str(tmp_path)])
     assert cli.run(args) == 2
+    args = p.parse_args(["compare", "--set", "policy_params.long_tie_ratio=1"])
+    assert cli.compare_config(args).policy_params == {"long_tie_ratio": 1}
+    args = p.parse_args(["compare", "--set", "policy_params.bogus=1", "--out-dir", str(tmp_path)])
+    assert cli.run(args) == 2  # kvroute's policy rejects it before any process starts
 
 
 def test_caches_are_reset_only_once_the_workers_are_idle(tmp_path: Path) -> None:

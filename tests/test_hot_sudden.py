@@ -103,6 +103,10 @@ def test_presettrace_runs_a_trace_preset(capsys: pytest.CaptureFixture[str]) -> 
     assert [x.split()[2] for x in lines] == ["ttft", "round_robin"]
     hits = [float(x.split("| hit ")[1].split()[0]) for x in lines]
     assert all(0.0 < h < 0.5 for h in hits)  # the shared first block, little else
+    for x in lines:  # goodput: the share within the preset's 8 s SLO, consistent with p90
+        good = float(x.split("goodput(<=8000ms) ")[1].split()[0])
+        p90 = float(x.split("| p90 ")[1].split()[0])
+        assert 0.0 < good <= 1.0 and (good >= 0.85 if p90 <= 8000.0 else good < 0.95), x
     cfg = presettrace._config(argparse.Namespace(preset="trace-production", duration=5.0))
     assert Path(cfg.params["path"]).is_file()
 

@@ -267,9 +267,10 @@ def test_cost_model_shape_and_calibration() -> None:
     st.integers(1, 8192),
     st.integers(0, 2**32),
 )
-@pytest.mark.parametrize("step_ties", [0.0, 1.0])
+@pytest.mark.parametrize(("step_ties", "long_tie_ratio"), [(0.0, 0.0), (1.0, 0.0), (0.0, 0.5)])
 def test_pruned_ttft_search_agrees_with_scoring_everyone(
     step_ties: float,
+    long_tie_ratio: float,
     ops: list[tuple[int, int, bool]],
     matches: dict[str, int],
     prompt_tokens: int,
@@ -286,8 +287,12 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
         if first:
             loads.first_token(rid)
     loads.check_invariants()
-    pol = make_policy("ttft", step_ties=step_ties)
+    pol = make_policy("ttft", step_ties=step_ties, long_tie_ratio=long_tie_ratio)
     req = RouteRequest([], prompt_tokens, BS)
+    ratio = pol.tie_ratio
+    deepest = max((req.matched_tokens(b) for b in matches.values()), default=0)
+    if long_tie_ratio and prompt_tokens - deepest >= loads.mean_prompt_tokens > 0:
+        ratio = max(ratio, long_tie_ratio)  # a long request: the wider window
     fast = pol.choose(
         req, PoolView.from_matches(loads, matches), PolicyContext(rng=random.Random(seed))
     )
@@ -298,7 +303,7 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
         explain=True,
     )
     best = min(c.score for c in full.candidates)
-    limit = best + max(pol.tie_ms, best * pol.tie_ratio)
+    limit = best + max(pol.tie_ms, best * ratio)
     near = [c for c in full.candidates if c.score <= limit]
     top = max(c.matched_tokens for c in near)
     allowed = {c.worker for c in near if c.matched_tokens == top}
@@ -307,7 +312,7 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
         at_top = [c for c in full.candidates if c.matched_tokens == top]
         first = min(at_top, key=lambda c: c.score)
         step = step_ties * CostModel().decode_step_ms(loads.view(first.worker).kv_usage)
-        window = first.score + max(pol.tie_ms, first.score * pol.tie_ratio) + step
+        window = first.score + max(pol.tie_ms, first.score * ratio) + step
         allowed = {c.worker for c in at_top if c.score <= window}
     assert fast.worker in allowed
     assert fast.matched_tokens == req.matched_tokens(matches.get(fast.worker, 0))
@@ -480,3 +485,31 @@ def test_predicted_reuse_stops_before_the_prompts_last_token() -> None:
     # engines with 32-token blocks under 16-token canonical keys reuse whole 32s
     r = RouteRequest([1, 2, 3], prompt_tokens=60, block_size=16, engine_block_size=32)
     assert r.matched_tokens(3) == 32 and r.matched_tokens(1) == 0
+
+
+def test_ttft_long_tie_ratio_widens_ties_for_long_requests_only() -> None:
+    """``long_tie_ratio``: a request whose uncached tokens are at least the pool's recent
+    mean ties across workers within that ratio of its best TTFT and goes to the one that has
+    waited longest, leaving the shortest queue to the short requests behind it; a short
+    request keeps the exact comparison, and the default (0) keeps it for every request."""
+    loads = LoadTracker(order_key=CostModel().queue_key)
+    for w in WORKERS:
+        loads.add_worker(w)
+    loads.started("w1", 8000, now=0.0)  # the longest-waiting worker has the longest queue
+    for t, w in enumerate(("w0", "w2", "w3"), start=1):
+        loads.started(w, 4000, now=float(t))
+    assert loads.mean_prompt_tokens == pytest.approx(5000)
+
+    def choose(request: RouteRequest, **params: float) -> str:
+        pol = make_policy("ttft", **params)
+        return pol.choose(request, PoolView.from_matches(loads, {}), PolicyContext()).worker
+
+    long_request = RouteRequest([], 20_000, BS)
+    short_request = RouteRequest([], 100, BS)
+    assert choose(long_request, long_tie_ratio=1.0) == "w1"
+    assert choose(long_request) == "w0"  # the shortest queue, oldest among equals
+    assert choose(short_request, long_tie_ratio=1.0) == "w0"
+    # "long" is relative to the mean: at 5x the mean (25,000 tokens) this request is short
+    assert choose(long_request, long_tie_ratio=1.0, long_factor=5.0) == "w0"
+    with pytest.raises(ValueError, match=">= 0"):
+        make_policy("ttft", long_tie_ratio=-1.0)
