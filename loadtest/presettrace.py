@@ -10,7 +10,9 @@ timing, speed-up), to read a live cell offline:
   meet the same criterion (p99 TTFT of the window <= ``capacity_ttft_factor`` x the cold
   prefill p99 of the requests): how far the real cluster is from the yardstick.
 * ``--rates`` x ``--seeds``: TTFT p50 / p90 / p99, the hit rate and the goodput (share of
-  requests within the preset's ``slo_ttft_ms``) of the window for every policy, per workload seed (seed 0 is the preset's stream), and the means.
+  requests within the preset's ``slo_ttft_ms``) of the window for every policy, per
+  workload seed (seed 0 is the preset's stream), and the means; with ``--by-size
+  2000,5000``, seed 0's median TTFT by uncached prompt tokens too.
 * ``--slo-capacity``: per policy and seed, capacity at SLO as the live comparison defines it
   (the highest rate whose window keeps p90 TTFT <= the preset's ``slo_ttft_ms``; bisection to
   ``--rel-tol``), where a live run can afford a probe or two.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import itertools
 import shutil
 import tempfile
 from dataclasses import asdict
@@ -132,9 +135,37 @@ def capacities(cfg: CompareConfig, policies: list[str]) -> dict[str, Any]:
     return out
 
 
-def sweep(cfg: CompareConfig, policies: list[str], rates: list[float], seeds: int) -> None:
+def by_size(res: SimResult, warmup: float, edges: list[int]) -> str:
+    """Median TTFT of the window's requests by uncached prompt tokens (bins between
+    ``edges``, the last open-ended): which requests a policy makes wait."""
+    tab = res.table
+    arrival = np.frombuffer(tab.arrival, dtype=np.float64)
+    ttft = np.frombuffer(tab.ttft, dtype=np.float64) * 1000.0
+    new = np.frombuffer(tab.prompt_tokens, dtype=np.int64) - np.frombuffer(
+        tab.cached_tokens, dtype=np.int64
+    )
+    keep = arrival >= warmup
+    ttft, new = ttft[keep], new[keep]
+    bounds = [0, *edges, None]
+    cells = []
+    for lo, hi in itertools.pairwise(bounds):
+        sel = (new >= lo) & (new < hi) if hi is not None else new >= lo
+        label = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
+        median = f"{np.median(ttft[sel]):.0f}" if sel.any() else "-"
+        cells.append(f"{label} n {int(sel.sum())} p50 {median}")
+    return " | ".join(cells)
+
+
+def sweep(
+    cfg: CompareConfig,
+    policies: list[str],
+    rates: list[float],
+    seeds: int,
+    edges: list[int] | None = None,
+) -> None:
     for rate in rates:
         per: dict[str, list[tuple[float, ...]]] = {p: [] for p in policies}
+        sizes: dict[str, str] = {}
         for seed in range(seeds):
             stream = _stream(cfg, seed)
             items, warmup = stream.window(rate, cfg.duration)
@@ -142,6 +173,8 @@ def sweep(cfg: CompareConfig, policies: list[str], rates: list[float], seeds: in
             for policy in policies:
                 res = simulate(arrivals, _cluster(cfg, policy, seed))
                 t = _window_ttfts(res, warmup)
+                if edges and seed == 0:
+                    sizes[policy] = by_size(res, warmup, edges)
                 precision = res.summary["index_precision"]
                 p50, p90, p99 = np.percentile(t, [50, 90, 99])
                 per[policy].append(
@@ -169,6 +202,8 @@ def sweep(cfg: CompareConfig, policies: list[str], rates: list[float], seeds: in
             )
             print(f"rate {rate:6.2f} {policy:12s} {cols} | index precision (whole run)"
                   f" {' '.join(f'{x:.4f}' for x in a[:, 4])}")  # fmt: skip
+        for policy, line in sizes.items():
+            print(f"rate {rate:6.2f} {policy:12s} seed 0, TTFT by uncached tokens: {line}")
 
 
 def slo_capacity(
@@ -261,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rel-tol", type=float, default=0.03, help="--slo-capacity's bracket")
     p.add_argument("--rates", help="req/s, comma-separated")
     p.add_argument("--seeds", type=int, default=1)
+    p.add_argument(
+        "--by-size",
+        metavar="EDGES",
+        help="--rates: also the median TTFT by uncached prompt tokens, bins between these"
+        " comma-separated edges (seed 0)",
+    )
     p.add_argument("--trace", type=float, metavar="RATE")
     p.add_argument("--seed", type=int, default=0, help="--trace: the workload's seed")
     args = p.parse_args(argv)
@@ -277,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.slo_capacity:
         slo_capacity(cfg, policies, args.seeds, args.rel_tol)
     if args.rates:
-        sweep(cfg, policies, [float(x) for x in args.rates.split(",")], args.seeds)
+        edges = [int(x) for x in args.by_size.split(",")] if args.by_size else None
+        if edges and edges != sorted(set(edges)):
+            p.error("--by-size: increasing edges, e.g. 2000,5000,10000")
+        sweep(cfg, policies, [float(x) for x in args.rates.split(",")], args.seeds, edges)
     if args.trace:
         trace(cfg, policies[0], args.trace, args.seed)
     return 0

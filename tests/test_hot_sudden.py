@@ -109,6 +109,17 @@ def test_presettrace_runs_a_trace_preset(capsys: pytest.CaptureFixture[str]) -> 
         assert 0.0 < good <= 1.0 and (good >= 0.85 if p90 <= 8000.0 else good < 0.95), x
     cfg = presettrace._config(argparse.Namespace(preset="trace-production", duration=5.0))
     assert Path(cfg.params["path"]).is_file()
+    # --by-size: the window's requests split by uncached tokens, every one in one bin
+    assert presettrace.main([*args, "--policies", "ttft", "--by-size", "2000,20000"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "by uncached" in x]
+    cells = line.split("by uncached tokens: ")[1].split(" | ")
+    assert [c.split(" n ")[0] for c in cells] == ["[0, 2000)", "[2000, 20000)", ">= 20000"]
+    stream = presettrace._stream(cfg, 0)
+    items, warmup = stream.window(2.0, cfg.duration)
+    window = sum(1 for a in stream.arrivals(items) if a.at >= warmup)
+    assert sum(int(c.split(" n ")[1].split()[0]) for c in cells) == window
+    with pytest.raises(SystemExit):
+        presettrace.main([*args, "--by-size", "5000,2000"])
 
 
 def test_presettrace_capacity_at_slo_with_policy_parameters(
