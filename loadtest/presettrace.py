@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import itertools
 import shutil
 import tempfile
 from dataclasses import asdict
@@ -146,11 +145,12 @@ def by_size(res: SimResult, warmup: float, edges: list[int]) -> str:
     )
     keep = arrival >= warmup
     ttft, new = ttft[keep], new[keep]
-    bounds = [0, *edges, None]
+    bounds = [0, *edges]
     cells = []
-    for lo, hi in itertools.pairwise(bounds):
-        sel = (new >= lo) & (new < hi) if hi is not None else new >= lo
-        label = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
+    for i, lo in enumerate(bounds):
+        hi = bounds[i + 1] if i + 1 < len(bounds) else None
+        sel = new >= lo if hi is None else (new >= lo) & (new < hi)
+        label = f">= {lo}" if hi is None else f"[{lo}, {hi})"
         median = f"{np.median(ttft[sel]):.0f}" if sel.any() else "-"
         cells.append(f"{label} n {int(sel.sum())} p50 {median}")
     return " | ".join(cells)
