@@ -282,6 +282,17 @@ def trace(cfg: CompareConfig, policy: str, rate: float, seed: int) -> None:
           f"last event at {res.duration:.1f} s")  # fmt: skip
 
 
+def _edges(p: argparse.ArgumentParser, text: str) -> list[int]:
+    """``--by-size``: positive, increasing token counts (a usage error otherwise)."""
+    try:
+        edges = [int(x) for x in text.split(",")]
+    except ValueError:
+        edges = []
+    if not edges or edges[0] <= 0 or edges != sorted(set(edges)):
+        p.error(f"--by-size {text!r}: increasing positive token counts, e.g. 2000,5000,10000")
+    return edges
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.presettrace", description=__doc__)
     p.add_argument("--preset", default="hot-sudden")
@@ -318,9 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.slo_capacity:
         slo_capacity(cfg, policies, args.seeds, args.rel_tol)
     if args.rates:
-        edges = [int(x) for x in args.by_size.split(",")] if args.by_size else None
-        if edges and edges != sorted(set(edges)):
-            p.error("--by-size: increasing edges, e.g. 2000,5000,10000")
+        edges = _edges(p, args.by_size) if args.by_size else None
         sweep(cfg, policies, [float(x) for x in args.rates.split(",")], args.seeds, edges)
     if args.trace:
         trace(cfg, policies[0], args.trace, args.seed)

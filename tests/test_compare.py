@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
 from loadtest import compare
 from loadtest.clustersim import pooled_bound
@@ -291,6 +292,9 @@ def test_trace_compare_at_smoke_size(tmp_path: Path) -> None:
                 policy_params={"long_tie_ratio": 1.0})  # fmt: skip
     report = run_compare(cfg)
     assert report["config"]["mode"] == "completion_ids"
+    # kvroute's gateway ran with the given policy parameters
+    gateway = yaml.safe_load((Path(cfg.out_dir) / "logs" / "gateway-0.yaml").read_text())
+    assert gateway["pools"][0]["policy_params"] == {"long_tie_ratio": 1.0}
     ref = report["offline_reference"]
     assert ref["basis"] == "pooled" and report["capacity_rps"] > 0
     assert ref["kv_blocks_per_worker"] == kv_blocks_from_model(cfg)

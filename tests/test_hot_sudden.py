@@ -118,8 +118,9 @@ def test_presettrace_runs_a_trace_preset(capsys: pytest.CaptureFixture[str]) -> 
     items, warmup = stream.window(2.0, cfg.duration)
     window = sum(1 for a in stream.arrivals(items) if a.at >= warmup)
     assert sum(int(c.split(" n ")[1].split()[0]) for c in cells) == window
-    with pytest.raises(SystemExit):
-        presettrace.main([*args, "--by-size", "5000,2000"])
+    for bad in ("5000,2000", "0,2000", "2k"):  # usage errors, not tracebacks
+        with pytest.raises(SystemExit):
+            presettrace.main([*args, "--by-size", bad])
 
 
 def test_presettrace_capacity_at_slo_with_policy_parameters(

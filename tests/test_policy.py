@@ -290,8 +290,8 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
     pol = make_policy("ttft", step_ties=step_ties, long_tie_ratio=long_tie_ratio)
     req = RouteRequest([], prompt_tokens, BS)
     ratio = pol.tie_ratio
-    deepest = max((req.matched_tokens(b) for b in matches.values()), default=0)
-    if long_tie_ratio and prompt_tokens - deepest >= loads.mean_prompt_tokens > 0:
+    new = prompt_tokens - max((req.matched_tokens(b) for b in matches.values()), default=0)
+    if long_tie_ratio and new > 0 and new >= loads.mean_prompt_tokens:
         ratio = max(ratio, long_tie_ratio)  # a long request: the wider window
     fast = pol.choose(
         req, PoolView.from_matches(loads, matches), PolicyContext(rng=random.Random(seed))
