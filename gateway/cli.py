@@ -9,10 +9,14 @@ when needed.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import signal
 import sys
 from collections.abc import Sequence
+
+#: the signal that makes any ``kvroute`` process write its threads' stacks to stderr
+STACKS_SIGNAL = signal.SIGUSR1
 
 # name -> (module, one-line help). A component adds its line here when it works.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -49,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # compare) stop them instead of leaving them behind. Servers replace this handler with
     # their own graceful stop.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # ``kill -USR1 PID`` writes every thread's stack to stderr: how a process that hangs is
+    # diagnosed where no debugger runs (the test harness asks a process that misses its
+    # start-up deadline for it)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     argv = list(sys.argv[1:] if argv is None else argv)
     # Build only the chosen subcommand's parser when one is named (fast, lazy imports).
     if argv and argv[0] in COMMANDS:

@@ -153,6 +153,8 @@ async def serve(
     from gateway import warmup
     from gateway.server import Gateway, build_app, build_metrics_app
 
+    loop = asyncio.get_running_loop()
+    _dump_tasks_on_signal(loop)
     gw = Gateway(cfg, bus=make_bus(cfg))
     app = build_app(gw)
     warmup.attach(app, gw)  # hot prefixes' warm-ups (gateway/warmup.py)
@@ -175,7 +177,6 @@ async def serve(
             metrics_runner, cfg.server.host, cfg.server.metrics_port, reuse_port=reuse_port or None
         ).start()
     done = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, done.set)
@@ -195,6 +196,50 @@ async def serve(
         await runner.cleanup()
         if metrics_runner is not None:
             await metrics_runner.cleanup()
+
+
+#: the last line of the asyncio tasks' dump (what a harness waits for)
+TASKS_END = "-- end of asyncio tasks --"
+
+
+def _dump_tasks_on_signal(loop: asyncio.AbstractEventLoop) -> None:
+    """On ``STACKS_SIGNAL`` also list every asyncio task and where it waits: a start-up
+    stuck on an ``await`` shows only the idle loop in the threads' stacks. The threads'
+    dump (``faulthandler``) stays chained in front, for a loop blocked by a call that never
+    returns, when this handler cannot run."""
+    import faulthandler
+
+    from gateway.cli import STACKS_SIGNAL
+
+    def dump() -> None:
+        tasks = asyncio.all_tasks(loop)
+        print(f"asyncio tasks ({len(tasks)}):", file=sys.stderr)
+        for task in tasks:
+            print(f"task {task.get_name()}:", file=sys.stderr)
+            for line in _awaits(task.get_coro()):
+                print(f"  {line}", file=sys.stderr)
+        print(TASKS_END, file=sys.stderr, flush=True)
+
+    with contextlib.suppress(NotImplementedError):
+        # faulthandler keeps the handler it replaced at its first registration (cli.main):
+        # drop it, install the loop's, then chain faulthandler's in front of that one
+        faulthandler.unregister(STACKS_SIGNAL)
+        loop.add_signal_handler(STACKS_SIGNAL, dump)
+        faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=True)
+
+
+def _awaits(coro: Any) -> list[str]:
+    """Where a coroutine waits, outermost first, down its chain of awaited coroutines
+    (``Task.print_stack`` shows only the outermost one)."""
+    out = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            out.append(f"awaiting {coro!r}")
+            break
+        out.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return out
 
 
 def _supervise(cfg: GatewayConfig) -> int:

@@ -312,13 +312,17 @@ class ChildProcess:
         #: size of the log when this run started: a restarted process appends to the same
         #: file, and only its own lines count (a ``ready`` of the previous run is stale)
         self.log_offset = 0
+        #: started through ``kvroute``: it writes its stacks on ``STACKS_SIGNAL``
+        self.is_kvroute = False
 
     @classmethod
     def kvroute(
         cls, argv: Sequence[str], name: str, log_dir: Path, env: dict[str, str] | None = None
     ) -> ChildProcess:
         """``kvroute ARGV...`` with this interpreter (no reliance on PATH)."""
-        return cls([sys.executable, "-m", "gateway.cli", *argv], name, log_dir, env)
+        proc = cls([sys.executable, "-m", "gateway.cli", *argv], name, log_dir, env)
+        proc.is_kvroute = True
+        return proc
 
     def start(self) -> ChildProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -361,11 +365,32 @@ class ChildProcess:
             if not self.alive():
                 raise HarnessError(f"{self.name} exited before logging {needle!r}:\n{self.tail()}")
             if time.monotonic() > deadline:
+                stacks = self.dump_stacks()
                 raise HarnessError(
                     f"{self.name} logged {needle!r} {len(found)} of {count} times"
-                    f" in {timeout}s:\n{self.tail()}"
+                    f" in {timeout}s:\n{self.tail()}{stacks}"
                 )
             time.sleep(0.02)
+
+    def dump_stacks(self, timeout: float = 3.0) -> str:
+        """A live kvroute process's thread stacks (``gateway.cli.STACKS_SIGNAL``) and, from
+        a gateway whose loop still runs, its asyncio tasks, for the error that reports it
+        stuck; "" for other commands, whose default action for that signal is to die."""
+        if not self.is_kvroute or not self.alive():
+            return ""
+        from gateway.cli import STACKS_SIGNAL
+        from gateway.main import TASKS_END
+
+        before = len(self.log_lines())
+        self.signal(STACKS_SIGNAL)
+        deadline = time.monotonic() + timeout
+        lines: list[str] = []
+        while time.monotonic() < deadline:  # a blocked loop never writes the tasks' part
+            lines = self.log_lines()[before:]
+            if any(TASKS_END in line for line in lines):
+                break
+            time.sleep(0.05)
+        return "\nits stacks:\n" + "\n".join(lines) if lines else "\n(no stacks written)"
 
     def tail(self, lines: int = 40) -> str:
         try:

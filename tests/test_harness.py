@@ -9,7 +9,9 @@ from unittest import mock
 
 import pytest
 import redis
+import yaml
 
+from gateway.tokenization import bundled_test_tokenizer
 from loadtest import harness
 from loadtest.harness import ChildProcess, HarnessError, RedisServer, free_port, free_ports
 
@@ -73,3 +75,51 @@ def test_child_process_log_and_failure(logs) -> None:
     bad = ChildProcess([sys.executable, "-c", "raise SystemExit(3)"], "bad", logs).start()
     with pytest.raises(HarnessError, match="exited"):
         bad.wait_for_log("never")
+
+
+def test_a_kvroute_process_that_misses_its_deadline_reports_its_stacks(
+    logs: Path, redis_server: RedisServer
+) -> None:
+    """A start-up that hangs is diagnosed from CI's log alone: the error carries the stuck
+    kvroute process's thread stacks (its SIGUSR1 handler), and a command that is not kvroute
+    is not sent that signal (by default it would die of it)."""
+    config = logs / "gw.yaml"
+    pool = {"model": "m", "tokenizer": str(bundled_test_tokenizer())}
+    config.write_text(yaml.safe_dump({"pools": [pool]}))
+    gw = ChildProcess.kvroute(
+        [
+            "gateway",
+            "--config",
+            str(config),
+            "--port",
+            str(free_port()),
+            "--redis",
+            redis_server.url,
+        ],
+        "gw",
+        logs,
+    ).start()
+    try:
+        gw.wait_for_log("kvroute gateway ready", timeout=60)
+        with pytest.raises(HarnessError) as err:
+            gw.wait_for_log("a line it never writes", timeout=0.5)
+        text = str(err.value)
+        stacks = text.split("its stacks:")[1]
+        assert "most recent call first" in stacks and "in _run_loop" in stacks, text
+        # where each task waits, down to the innermost await: serve waits for its stop
+        assert "main.py" in stacks and " in serve" in stacks and " in wait" in stacks, text
+        assert gw.alive()  # the dump does not stop it
+    finally:
+        gw.stop()
+    other = ChildProcess(
+        [sys.executable, "-c", "print('up', flush=True); import time; time.sleep(30)"],
+        "other",
+        logs,
+    ).start()
+    try:
+        other.wait_for_log("up")
+        with pytest.raises(HarnessError) as err:
+            other.wait_for_log("never", timeout=0.2)
+        assert "stacks" not in str(err.value) and other.alive()
+    finally:
+        other.stop()
