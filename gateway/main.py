@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -155,6 +156,12 @@ async def serve(
 
     loop = asyncio.get_running_loop()
     _dump_tasks_on_signal(loop)
+    api_socks = _listen_or_exit(cfg.server.host, cfg.server.port, reuse_port)
+    metrics_socks = (
+        _listen_or_exit(cfg.server.host, cfg.server.metrics_port, reuse_port)
+        if cfg.server.metrics_port
+        else []
+    )
     gw = Gateway(cfg, bus=make_bus(cfg))
     app = build_app(gw)
     warmup.attach(app, gw)  # hot prefixes' warm-ups (gateway/warmup.py)
@@ -165,25 +172,24 @@ async def serve(
         shutdown_timeout=cfg.server.shutdown_grace,
     )
     await runner.setup()
-    site = web.TCPSite(
-        runner, cfg.server.host, cfg.server.port, reuse_port=reuse_port or None, backlog=1024
-    )
-    await site.start()
+    for sock in api_socks:
+        await web.SockSite(runner, sock).start()
     metrics_runner: web.AppRunner | None = None
-    if cfg.server.metrics_port:
+    if metrics_socks:
         metrics_runner = web.AppRunner(build_metrics_app(gw), access_log=None)
         await metrics_runner.setup()
-        await web.TCPSite(
-            metrics_runner, cfg.server.host, cfg.server.metrics_port, reuse_port=reuse_port or None
-        ).start()
+        for sock in metrics_socks:
+            await web.SockSite(metrics_runner, sock).start()
     done = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, done.set)
-    print(
-        f"kvroute gateway ready on http://{cfg.server.host}:{cfg.server.port} (pid {os.getpid()})",
-        flush=True,
+    # one write: under PYTHONUNBUFFERED ``print`` writes the text and its newline apart, and
+    # the replicas sharing a log then run their ready lines together
+    sys.stdout.write(
+        f"kvroute gateway ready on http://{cfg.server.host}:{cfg.server.port} (pid {os.getpid()})\n"
     )
+    sys.stdout.flush()
     try:
         await done.wait()
         log.info(
@@ -196,6 +202,44 @@ async def serve(
         await runner.cleanup()
         if metrics_runner is not None:
             await metrics_runner.cleanup()
+
+
+def listen(host: str, port: int, reuse_port: bool, backlog: int = 1024) -> list[socket.socket]:
+    """Listening sockets for ``host:port``, one per address it resolves to (as asyncio's
+    ``create_server`` binds them), bound here rather than by the event loop: uvloop resolves
+    even a numeric host on libuv's thread pool, and a start-up must not wait on a thread
+    pool's callback to open its port (a gateway was once seen to never reach its ready line
+    while its other tasks ran)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:  # its IPv4 twin is a socket of its own
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def _listen_or_exit(host: str, port: int, reuse_port: bool) -> list[socket.socket]:
+    """``listen``, before anything starts: a port that cannot be had ends the process with
+    the reason, not a traceback."""
+    try:
+        return listen(host, port, reuse_port)
+    except OSError as exc:
+        raise SystemExit(
+            f"kvroute gateway: cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from None
 
 
 #: the last line of the asyncio tasks' dump (what a harness waits for)

@@ -355,19 +355,23 @@ class ChildProcess:
             return []
 
     def wait_for_log(self, needle: str, timeout: float = 20.0, count: int = 1) -> str:
-        """Block until ``needle`` appears in ``count`` lines of this run's log; return the
-        last of them."""
+        """Block until ``needle`` has appeared ``count`` times in this run's log; return the
+        line of the last of them."""
         deadline = time.monotonic() + timeout
         while True:
-            found = [line for line in self.log_lines() if needle in line]
-            if len(found) >= count:
-                return found[count - 1]
+            # occurrences, not lines: processes sharing the log (a gateway's replicas) may
+            # write theirs into one line
+            found = 0
+            for line in self.log_lines():
+                found += line.count(needle)
+                if found >= count:
+                    return line
             if not self.alive():
                 raise HarnessError(f"{self.name} exited before logging {needle!r}:\n{self.tail()}")
             if time.monotonic() > deadline:
                 stacks = self.dump_stacks()
                 raise HarnessError(
-                    f"{self.name} logged {needle!r} {len(found)} of {count} times"
+                    f"{self.name} logged {needle!r} {found} of {count} times"
                     f" in {timeout}s:\n{self.tail()}{stacks}"
                 )
             time.sleep(0.02)

@@ -72,6 +72,17 @@ def test_child_process_log_and_failure(logs) -> None:
     ok.start()
     assert ok.wait_for_log("ready") == "ready"
     assert ok.stop() is not None and not ok.alive()
+    # two replicas sharing a log can write their lines into one (PYTHONUNBUFFERED: a print's
+    # text and newline are two writes): each occurrence counts
+    shared = ChildProcess(
+        [sys.executable, "-c", "print('up 1up 2\\n'); import time; time.sleep(30)"],
+        "shared",
+        logs,
+    ).start()
+    assert shared.wait_for_log("up", count=2) == "up 1up 2"
+    with pytest.raises(HarnessError, match="logged 'up' 2 of 3 times"):
+        shared.wait_for_log("up", count=3, timeout=0.3)
+    shared.stop()
     bad = ChildProcess([sys.executable, "-c", "raise SystemExit(3)"], "bad", logs).start()
     with pytest.raises(HarnessError, match="exited"):
         bad.wait_for_log("never")
