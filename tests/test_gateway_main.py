@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from gateway.main import listen
+from gateway.config import GatewayConfig
+from gateway.contract.settings import load_config
+from gateway.main import listen, serve
 from gateway.tokenization import bundled_test_tokenizer
 from loadtest.harness import ChildProcess, RedisServer, free_port
 
@@ -73,3 +77,61 @@ def test_a_gateway_on_a_taken_port_exits_and_says_why(
     text = gw.log_path.read_text()
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in text, text
     assert "Traceback" not in text and "kvroute gateway ready" not in text
+
+
+class _NoLoopResolver(asyncio.SelectorEventLoop):
+    """A loop on which a start-up that resolves or binds through the loop fails."""
+
+    async def getaddrinfo(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"resolved through the loop: {args}")
+
+    async def create_server(self, *args: Any, sock: Any = None, **kwargs: Any) -> Any:
+        assert sock is not None, "the loop was asked to bind"
+        return await super().create_server(*args, sock=sock, **kwargs)
+
+
+def test_serve_opens_its_ports_without_the_loops_resolver(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The ready line must not wait on the loop's resolver (uvloop runs it on libuv's thread
+    pool, even for 127.0.0.1): ``serve`` binds its sockets itself, API and metrics alike,
+    and answers on both."""
+    port, metrics_port = free_port(), free_port()
+    file = tmp_path / "gw.yaml"
+    file.write_text(
+        yaml.safe_dump(
+            {
+                "server": {"port": port, "metrics_port": metrics_port},
+                "redis": {"url": redis_server.url},
+                "pools": [{"model": "m", "tokenizer": str(bundled_test_tokenizer())}],
+            }
+        )
+    )
+    cfg = load_config(GatewayConfig, file=file)
+    cfg.validate()
+
+    async def status(p: int, path: str) -> int:
+        reader, writer = await asyncio.open_connection("127.0.0.1", p)
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        line = await reader.readline()
+        writer.close()
+        return int(line.split()[1])
+
+    async def main() -> tuple[int, int]:
+        stop = asyncio.Event()
+        served = asyncio.create_task(serve(cfg, stop=stop))
+        try:
+            for _ in range(200):  # the port opens once start-up is done
+                if served.done():
+                    served.result()  # start-up failed: its error
+                try:
+                    return await status(port, "/health"), await status(metrics_port, "/metrics")
+                except ConnectionRefusedError:
+                    await asyncio.sleep(0.05)
+            raise AssertionError("the gateway never opened its port")
+        finally:
+            stop.set()
+            await served
+
+    with asyncio.Runner(loop_factory=_NoLoopResolver) as runner:
+        assert runner.run(main()) == (200, 200)
