@@ -9,7 +9,7 @@ timing, speed-up), to read a live cell offline:
   and beside it the highest rate at which the N separate workers under each ``--policies``
   meet the same criterion (p99 TTFT of the window <= ``capacity_ttft_factor`` x the cold
   prefill p99 of the requests): how far the real cluster is from the yardstick.
-* ``--rates`` x ``--seeds``: TTFT p50 / p90 / p99, the hit rate and the goodput (share of
+* ``--rates`` (or ``--loads``, fractions of load 1.0) x ``--seeds``: TTFT p50 / p90 / p99, the hit rate and the goodput (share of
   requests within the preset's ``slo_ttft_ms``) of the window for every policy, per
   workload seed (seed 0 is the preset's stream), and the means; with ``--by-size
   2000,5000``, seed 0's median TTFT by uncached prompt tokens too.
@@ -293,6 +293,27 @@ def _edges(p: argparse.ArgumentParser, text: str) -> list[int]:
     return edges
 
 
+def _loads(p: argparse.ArgumentParser, text: str, cfg: CompareConfig) -> list[float]:
+    if text == "preset":
+        return list(cfg.loads)
+    try:
+        loads = [float(x) for x in text.split(",")]
+    except ValueError:
+        loads = []
+    if not loads or min(loads) <= 0:
+        p.error(f"--loads {text!r}: positive fractions of load 1.0, e.g. 0.3,0.6, or 'preset'")
+    return loads
+
+
+def load_rates(cfg: CompareConfig, loads: list[float]) -> list[float]:
+    """The rates of ``loads`` (fractions of the policy-neutral capacity the live comparison
+    calls load 1.0, from the preset's own stream), printed beside them."""
+    one = neutral_capacity(_stream(cfg, cfg.seed), cfg)["capacity_rps"]
+    rates = [round(x * one, 3) for x in loads]
+    print(f"load 1.0 = {one:.3f} req/s: loads {loads} -> rates {rates}", flush=True)
+    return rates
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.presettrace", description=__doc__)
     p.add_argument("--preset", default="hot-sudden")
@@ -306,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-capacity", action="store_true")
     p.add_argument("--rel-tol", type=float, default=0.03, help="--slo-capacity's bracket")
     p.add_argument("--rates", help="req/s, comma-separated")
+    p.add_argument(
+        "--loads",
+        help="as --rates, in fractions of load 1.0 as the live comparison defines it"
+        " (comma-separated, or 'preset': the preset's own loads)",
+    )
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument(
         "--by-size",
@@ -328,9 +354,12 @@ def main(argv: list[str] | None = None) -> int:
         print(capacities(cfg, policies))
     if args.slo_capacity:
         slo_capacity(cfg, policies, args.seeds, args.rel_tol)
-    if args.rates:
+    if args.rates or args.loads is not None:
         edges = _edges(p, args.by_size) if args.by_size else None
-        sweep(cfg, policies, [float(x) for x in args.rates.split(",")], args.seeds, edges)
+        rates = [float(x) for x in args.rates.split(",")] if args.rates else []
+        if args.loads is not None:
+            rates += load_rates(cfg, _loads(p, args.loads, cfg))
+        sweep(cfg, policies, rates, args.seeds, edges)
     if args.trace:
         trace(cfg, policies[0], args.trace, args.seed)
     return 0

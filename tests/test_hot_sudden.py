@@ -92,6 +92,32 @@ def test_presettrace_sweep_reports_precision(capsys: pytest.CaptureFixture[str])
     assert float(line.split("index precision (whole run) ")[1]) > 0.5
 
 
+def test_presettrace_loads_are_fractions_of_the_neutral_capacity(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--loads``: rates as the live comparison's loads (fractions of the policy-neutral
+    capacity of the preset's stream), ``preset`` for the preset's own; bad ones are usage
+    errors."""
+    from loadtest import compare, presettrace
+
+    args = ["--duration", "6", "--policies", "ttft"]
+    assert presettrace.main([*args, "--loads", "0.5", "--rates", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    cfg = presettrace._config(argparse.Namespace(preset="hot-sudden", duration=6.0))
+    one = compare.neutral_capacity(presettrace._stream(cfg, cfg.seed), cfg)["capacity_rps"]
+    assert f"load 1.0 = {one:.3f} req/s" in out[0]
+    assert [float(x.split()[1]) for x in out if x.startswith("rate")] == [
+        3.0,
+        pytest.approx(0.5 * one, abs=0.01),
+    ]
+    assert presettrace.main([*args, "--loads", "preset"]) == 0
+    (head, *rows) = capsys.readouterr().out.splitlines()
+    assert f"loads {cfg.loads}" in head and len(rows) == len(cfg.loads)
+    for bad in ("0,0.5", "half", ""):
+        with pytest.raises(SystemExit):
+            presettrace.main([*args, "--loads", bad])
+
+
 def test_presettrace_runs_a_trace_preset(capsys: pytest.CaptureFixture[str]) -> None:
     """A trace preset (its synthetic window written to a directory of the run's own, the
     prompts taken as token ids) sweeps like a text one; the directory is gone at exit."""

@@ -267,10 +267,14 @@ def test_cost_model_shape_and_calibration() -> None:
     st.integers(1, 8192),
     st.integers(0, 2**32),
 )
-@pytest.mark.parametrize(("step_ties", "long_tie_ratio"), [(0.0, 0.0), (1.0, 0.0), (0.0, 0.5)])
+@pytest.mark.parametrize(
+    ("step_ties", "long_tie_ratio", "long_wait_ratio"),
+    [(0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (0.0, 0.5, 0.0), (0.0, 0.0, 3.0)],
+)
 def test_pruned_ttft_search_agrees_with_scoring_everyone(
     step_ties: float,
     long_tie_ratio: float,
+    long_wait_ratio: float,
     ops: list[tuple[int, int, bool]],
     matches: dict[str, int],
     prompt_tokens: int,
@@ -287,12 +291,23 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
         if first:
             loads.first_token(rid)
     loads.check_invariants()
-    pol = make_policy("ttft", step_ties=step_ties, long_tie_ratio=long_tie_ratio)
+    pol = make_policy(
+        "ttft",
+        step_ties=step_ties,
+        long_tie_ratio=long_tie_ratio,
+        long_wait_ratio=long_wait_ratio,
+    )
     req = RouteRequest([], prompt_tokens, BS)
     ratio = pol.tie_ratio
+    wait_ratio = 0.0
     new = prompt_tokens - max((req.matched_tokens(b) for b in matches.values()), default=0)
-    if long_tie_ratio and new > 0 and new >= loads.mean_prompt_tokens:
-        ratio = max(ratio, long_tie_ratio)  # a long request: the wider window
+    if new > 0 and new >= loads.mean_prompt_tokens:  # a long request: the wider windows
+        ratio = max(ratio, long_tie_ratio)
+        wait_ratio = long_wait_ratio
+    # its own prefill (with the compute floor) at the deepest match: a score less that is
+    # the wait before it at that worker
+    rt = CostModel().request_terms(new)
+    own = rt.chunked + pol.compute_weight * rt.prefill
     fast = pol.choose(
         req, PoolView.from_matches(loads, matches), PolicyContext(rng=random.Random(seed))
     )
@@ -303,7 +318,7 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
         explain=True,
     )
     best = min(c.score for c in full.candidates)
-    limit = best + max(pol.tie_ms, best * ratio)
+    limit = best + max(pol.tie_ms, best * ratio, wait_ratio * (best - own))
     near = [c for c in full.candidates if c.score <= limit]
     top = max(c.matched_tokens for c in near)
     allowed = {c.worker for c in near if c.matched_tokens == top}
@@ -513,3 +528,38 @@ def test_ttft_long_tie_ratio_widens_ties_for_long_requests_only() -> None:
     assert choose(long_request, long_tie_ratio=1.0, long_factor=5.0) == "w0"
     with pytest.raises(ValueError, match=">= 0"):
         make_policy("ttft", long_tie_ratio=-1.0)
+
+
+def test_ttft_long_wait_ratio_widens_ties_only_by_the_best_workers_wait() -> None:
+    """``long_wait_ratio``: a long request's window is that many times its predicted wait at
+    its best worker, so it widens only when every worker has a queue (past capacity, where
+    the long request should leave the shortest queue to the short ones) and not while an
+    idle worker can start it at once (``long_tie_ratio``'s window, a share of the whole
+    TTFT, widens there too and sends it to a busy worker)."""
+
+    def tracker(idle: bool) -> LoadTracker:
+        loads = LoadTracker(order_key=CostModel().queue_key)
+        for w in WORKERS:
+            loads.add_worker(w)
+        loads.started("w1", 8000, now=0.0)  # the longest-waiting worker, the longest queue
+        for t, w in enumerate(("w0", "w2"), start=1):
+            loads.started(w, 4000, now=float(t))
+        rid = loads.started("w3", 4000, now=10.0)  # the most recent send
+        if idle:
+            loads.finished(rid)
+        return loads
+
+    def choose(loads: LoadTracker, request: RouteRequest, **params: float) -> str:
+        pol = make_policy("ttft", **params)
+        return pol.choose(request, PoolView.from_matches(loads, {}), PolicyContext()).worker
+
+    long_request = RouteRequest([], 20_000, BS)
+    busy = tracker(idle=False)
+    assert choose(busy, long_request) == "w0"  # exact: the shortest queue, oldest of equals
+    assert choose(busy, long_request, long_wait_ratio=3.0) == "w1"  # past capacity: widened
+    assert choose(busy, RouteRequest([], 100, BS), long_wait_ratio=3.0) == "w0"  # short
+    idle = tracker(idle=True)
+    assert choose(idle, long_request, long_wait_ratio=3.0) == "w3"  # no wait: no widening
+    assert choose(idle, long_request, long_tie_ratio=1.0) != "w3"
+    with pytest.raises(ValueError, match=">= 0"):
+        make_policy("ttft", long_wait_ratio=-1.0)
