@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -28,6 +29,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
+from aiohttp.abc import ResolveResult
 from yarl import URL
 
 from gateway.apis import APIS
@@ -147,6 +149,34 @@ class _SseResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
+class TimedResolver(aiohttp.abc.AbstractResolver):
+    """aiohttp's resolver with a deadline: a worker named by a hostname whose lookup hangs
+    fails over like a refused connection, after ``connect_timeout``, instead of holding its
+    requests until ``first_byte_timeout`` (the session's ``sock_connect`` bound starts only
+    once the address is known; its ``connect`` bound would also cut the wait for a pooled
+    connection, which is queueing). Addresses skip it: aiohttp resolves no IP literal."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._inner = aiohttp.DefaultResolver()
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await self._inner.resolve(host, port, family)
+        except TimeoutError:
+            # a lookup error, not a timeout (aiohttp would report a timeout as the request's
+            # own, a first-byte timeout here): a ClientConnectorDNSError, a connect failure
+            raise socket.gaierror(
+                socket.EAI_AGAIN, f"resolving {host}: no answer in {self.timeout:g}s"
+            ) from None
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
 class _Retry(Exception):
     """This attempt failed before the client saw a byte: try another worker."""
 
@@ -185,7 +215,10 @@ class Proxy:
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=self.settings.connections_per_worker, keepalive_timeout=60
+            limit=0,
+            limit_per_host=self.settings.connections_per_worker,
+            keepalive_timeout=60,
+            resolver=TimedResolver(self.settings.connect_timeout),
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
