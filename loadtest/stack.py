@@ -440,11 +440,15 @@ class Stack:
         ).start()
         # every process on the port logs its own ready line: wait for all of them, or the
         # first requests would all go to the processes that happened to start first
-        proc.wait_for_log(
-            "kvroute gateway ready",
-            timeout=self.config.start_timeout,
-            count=cfg["server"]["workers"],
-        )
+        try:
+            proc.wait_for_log(
+                "kvroute gateway ready",
+                timeout=self.config.start_timeout,
+                count=cfg["server"]["workers"],
+            )
+        except BaseException:
+            proc.stop()  # not yet one of the stack's: its stop() would never reach it
+            raise
         url = f"http://127.0.0.1:{port}"
         if g < len(self.gateways):
             self.gateways[g] = proc

@@ -134,3 +134,31 @@ def test_a_kvroute_process_that_misses_its_deadline_reports_its_stacks(
         assert "stacks" not in str(err.value) and other.alive()
     finally:
         other.stop()
+
+
+def test_a_gateway_that_never_gets_ready_is_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway that misses its ready line is not yet one of the stack's processes, so the
+    stack's stop() cannot reach it: start_gateway must stop it itself (one had kept running,
+    a supervisor and its two replicas, through the rest of a test run)."""
+    from loadtest.stack import Stack, StackConfig
+
+    with Stack(StackConfig(workers=1, speedup=100, log_dir=tmp_path)) as stack:
+        started: list[ChildProcess] = []
+        real_start = ChildProcess.start
+
+        def start(self: ChildProcess) -> ChildProcess:
+            started.append(self)
+            return real_start(self)
+
+        def never(self: ChildProcess, needle: str, timeout: float = 20.0, count: int = 1) -> str:
+            raise HarnessError(f"{self.name} never logged {needle!r}")
+
+        monkeypatch.setattr(ChildProcess, "start", start)
+        monkeypatch.setattr(ChildProcess, "wait_for_log", never)
+        with pytest.raises(HarnessError, match="never logged"):
+            stack.start_gateway(1)
+        (gw,) = started
+        assert gw.proc is not None and gw.proc.poll() is not None  # stopped, not left running
+        assert len(stack.gateways) == 1
