@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
-from aiohttp.abc import ResolveResult
+from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
 from gateway.apis import APIS
@@ -149,7 +149,7 @@ class _SseResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
-class TimedResolver(aiohttp.abc.AbstractResolver):
+class TimedResolver(AbstractResolver):
     """aiohttp's resolver with a deadline: a worker named by a hostname whose lookup hangs
     fails over like a refused connection, after ``connect_timeout``, instead of holding its
     requests until ``first_byte_timeout`` (the session's ``sock_connect`` bound starts only

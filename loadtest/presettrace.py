@@ -9,10 +9,10 @@ timing, speed-up), to read a live cell offline:
   and beside it the highest rate at which the N separate workers under each ``--policies``
   meet the same criterion (p99 TTFT of the window <= ``capacity_ttft_factor`` x the cold
   prefill p99 of the requests): how far the real cluster is from the yardstick.
-* ``--rates`` (or ``--loads``, fractions of load 1.0) x ``--seeds``: TTFT p50 / p90 / p99, the hit rate and the goodput (share of
-  requests within the preset's ``slo_ttft_ms``) of the window for every policy, per
-  workload seed (seed 0 is the preset's stream), and the means; with ``--by-size
-  2000,5000``, seed 0's median TTFT by uncached prompt tokens too.
+* ``--rates`` (or ``--loads``, fractions of load 1.0) x ``--seeds``: TTFT p50 / p90 / p99,
+  the hit rate and the goodput (share of requests within the preset's ``slo_ttft_ms``) of
+  the window for every policy, per workload seed (seed 0 is the preset's stream), and the
+  means; with ``--by-size 2000,5000``, seed 0's median TTFT by uncached prompt tokens too.
 * ``--slo-capacity``: per policy and seed, capacity at SLO as the live comparison defines it
   (the highest rate whose window keeps p90 TTFT <= the preset's ``slo_ttft_ms``; bisection to
   ``--rel-tol``), where a live run can afford a probe or two.
@@ -282,27 +282,31 @@ def trace(cfg: CompareConfig, policy: str, rate: float, seed: int) -> None:
           f"last event at {res.duration:.1f} s")  # fmt: skip
 
 
-def _edges(p: argparse.ArgumentParser, text: str) -> list[int]:
-    """``--by-size``: positive, increasing token counts (a usage error otherwise)."""
+def _numbers(p: argparse.ArgumentParser, flag: str, text: str, hint: str) -> list[float]:
+    """A comma-separated list of positive numbers (a usage error otherwise)."""
     try:
-        edges = [int(x) for x in text.split(",")]
+        xs = [float(x) for x in text.split(",")]
     except ValueError:
-        edges = []
-    if not edges or edges[0] <= 0 or edges != sorted(set(edges)):
-        p.error(f"--by-size {text!r}: increasing positive token counts, e.g. 2000,5000,10000")
+        xs = []
+    if not xs or min(xs) <= 0:
+        p.error(f"{flag} {text!r}: {hint}")
+    return xs
+
+
+def _edges(p: argparse.ArgumentParser, text: str) -> list[int]:
+    """``--by-size``: positive, increasing token counts."""
+    hint = "increasing positive token counts, e.g. 2000,5000,10000"
+    xs = _numbers(p, "--by-size", text, hint)
+    edges = [int(x) for x in xs]
+    if edges != xs or edges != sorted(set(edges)):  # whole and increasing
+        p.error(f"--by-size {text!r}: {hint}")
     return edges
 
 
 def _loads(p: argparse.ArgumentParser, text: str, cfg: CompareConfig) -> list[float]:
     if text == "preset":
         return list(cfg.loads)
-    try:
-        loads = [float(x) for x in text.split(",")]
-    except ValueError:
-        loads = []
-    if not loads or min(loads) <= 0:
-        p.error(f"--loads {text!r}: positive fractions of load 1.0, e.g. 0.3,0.6, or 'preset'")
-    return loads
+    return _numbers(p, "--loads", text, "positive fractions of load 1.0, e.g. 0.3,0.6, or 'preset'")
 
 
 def load_rates(cfg: CompareConfig, loads: list[float]) -> list[float]:
@@ -356,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         slo_capacity(cfg, policies, args.seeds, args.rel_tol)
     if args.rates or args.loads is not None:
         edges = _edges(p, args.by_size) if args.by_size else None
-        rates = [float(x) for x in args.rates.split(",")] if args.rates else []
+        rates = _numbers(p, "--rates", args.rates, "positive req/s, e.g. 2,4") if args.rates else []
         if args.loads is not None:
             rates += load_rates(cfg, _loads(p, args.loads, cfg))
         sweep(cfg, policies, rates, args.seeds, edges)

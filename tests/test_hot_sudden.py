@@ -113,9 +113,15 @@ def test_presettrace_loads_are_fractions_of_the_neutral_capacity(
     assert presettrace.main([*args, "--loads", "preset"]) == 0
     (head, *rows) = capsys.readouterr().out.splitlines()
     assert f"loads {cfg.loads}" in head and len(rows) == len(cfg.loads)
-    for bad in ("0,0.5", "half", ""):
+    for flag, bad in (
+        ("--loads", "0,0.5"),
+        ("--loads", "half"),
+        ("--loads", ""),
+        ("--rates", "fast"),
+    ):
         with pytest.raises(SystemExit):
-            presettrace.main([*args, "--loads", bad])
+            presettrace.main([*args, flag, bad])
+        assert f"{flag} {bad!r}:" in capsys.readouterr().err  # the usage error names it
 
 
 def test_presettrace_runs_a_trace_preset(capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,7 +150,7 @@ def test_presettrace_runs_a_trace_preset(capsys: pytest.CaptureFixture[str]) -> 
     items, warmup = stream.window(2.0, cfg.duration)
     window = sum(1 for a in stream.arrivals(items) if a.at >= warmup)
     assert sum(int(c.split(" n ")[1].split()[0]) for c in cells) == window
-    for bad in ("5000,2000", "0,2000", "2k"):  # usage errors, not tracebacks
+    for bad in ("5000,2000", "0,2000", "2k", "2000.5"):  # usage errors, not tracebacks
         with pytest.raises(SystemExit):
             presettrace.main([*args, "--by-size", bad])
 

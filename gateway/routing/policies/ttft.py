@@ -253,13 +253,20 @@ class PredictedTTFT(Policy):
         else:
             steps = self.step_ties or (self.hot_step_ties if self._hot(request, pool, ctx) else 0.0)
         step = steps * cost.max_decode_step_ms() * scale if steps else 0.0
+        # near-tie window of a score: the default's, or a long request's wider one (its wait
+        # at the best worker, the best score less the cheapest base, when long_wait_ratio)
         wait_ratio = 0.0
         base_min = 0.0
         if (self.long_tie_ratio or self.long_wait_ratio) and self._long(request, pool, deepest):
             tie_ratio = max(tie_ratio, self.long_tie_ratio)
             wait_ratio = self.long_wait_ratio
             base_min = min(bases.values())
-        limit = best + max(tie_ms, best * tie_ratio, wait_ratio * (best - base_min))
+
+        def tie_width(b: float) -> float:
+            w = max(tie_ms, b * tie_ratio)
+            return max(w, wait_ratio * (b - base_min)) if wait_ratio else w
+
+        limit = best + tie_width(best)
         reach = limit + step
         if busy_at and not explain:
             # a level whose base plus the lowest bound in the pool is past ``reach`` has no
@@ -319,7 +326,7 @@ class PredictedTTFT(Policy):
                     scored.append((s, w, m, t))
                     if s < best:
                         best = s
-                        limit = best + max(tie_ms, best * tie_ratio, wait_ratio * (best - base_min))
+                        limit = best + tie_width(best)
                         reach = limit + step
                 if source is not None:
                     break
