@@ -16,8 +16,8 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---- build: install kvroute and its dependencies into a virtualenv -------------------------
 FROM ${PYTHON_IMAGE} AS build
-# gcc builds the compiled key function (gateway/routing/_keys.c -> gateway.routing._ckeys);
-# the python image ships the headers. Only this stage has it: the runtime copies the venv.
+# gcc builds the compiled key function (gateway/routing/_keys.c -> gateway.routing._ckeys) and
+# the routing core mypyc compiles (setup.py); the python image ships the headers. Only this stage has it: the runtime copies the venv.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -34,9 +34,11 @@ COPY pyproject.toml setup.py README.md ./
 COPY gateway/ gateway/
 COPY worker_agent/ worker_agent/
 COPY loadtest/ loadtest/
-# the extension is optional to setuptools; the image must have it (checked by the import)
+# the extensions are optional to setuptools; the image must have them (checked by the imports:
+# the C keys, and the routing core compiled by mypyc, which the build environment installs)
 RUN /opt/kvroute/bin/pip install --no-deps . \
     && cd / && /opt/kvroute/bin/python -c "import gateway.routing._ckeys" \
+    && /opt/kvroute/bin/python -c "import sys, gateway.routing.policy as m; sys.exit(not m.__spec__.origin.endswith('.so'))" \
     && /opt/kvroute/bin/kvroute gateway --help > /dev/null \
     && /opt/kvroute/bin/kvroute agent --help > /dev/null
 

@@ -639,6 +639,14 @@ class ClusterSim:
             "warmup_tokens": 0,
         }
         self._ran = False
+        #: sets glibc's heap pad (``malloc_pad``); an attribute so that tests can watch it
+        self.pad_heap: Callable[[int], bool] = _malloc_pad
+        #: called just before / after each arrival's routing decision, and for each warm-up
+        #: sent (tests and ``presettrace`` observe decisions and the state they saw; the
+        #: compiled simulator's and router's methods cannot be replaced or overridden)
+        self.before_route: Callable[[Arrival], None] | None = None
+        self.after_route: Callable[[Arrival, Decision], None] | None = None
+        self.on_warmup: Callable[[WarmupIntent, float], None] | None = None
 
     # -- public -------------------------------------------------------------------------------
 
@@ -656,13 +664,13 @@ class ClusterSim:
         before = gc.get_threshold()
         if self.gc_thresholds is not None:
             gc.set_threshold(*self.gc_thresholds)
-        padded = self.malloc_pad is not None and _malloc_pad(self.malloc_pad)
+        padded = self.malloc_pad is not None and self.pad_heap(self.malloc_pad)
         try:
             return self._run(arrivals, progress, progress_every)
         finally:
             gc.set_threshold(*before)
             if padded:
-                _malloc_pad(_GLIBC_PAD)
+                self.pad_heap(_GLIBC_PAD)
 
     def _run(
         self,
@@ -731,7 +739,11 @@ class ClusterSim:
         router = self.router
         keys = self.keyfn.keys(tokens)
         exclude = () if a.workers is None else self._by_name.keys() - a.workers
+        if self.before_route is not None:
+            self.before_route(a)
         decision = router.route(keys, n, t, session_key=a.session, exclude=exclude)
+        if self.after_route is not None:
+            self.after_route(a, decision)
         for intent in router.ctx.warmups.drain():
             self._warm(intent, tokens, t)
         ticket = router.started(decision, n, t)
@@ -757,6 +769,8 @@ class ClusterSim:
     def _warm(self, intent: WarmupIntent, tokens: bytes, t: float) -> None:
         """A warm-up the policy asked for, as the gateway sends it (``gateway/warmup.py``):
         the prefix alone with one output token, counted as load, not as a request."""
+        if self.on_warmup is not None:
+            self.on_warmup(intent, t)
         w = self._by_name[intent.worker]
         decision = Decision(w.name, "warmup", "warmup", 0, None)
         flight = _Flight(-1, t, self.router.started(decision, intent.tokens, t), w.i)

@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from gateway.routing.policy import make_policy
+from gateway.routing.policy import Decision, make_policy
 from gateway.routing.replication import WarmupIntent
 from loadtest import cli
-from loadtest.clustersim import ClusterConfig, ClusterSim, SimResult, simulate
+from loadtest.clustersim import Arrival, ClusterConfig, ClusterSim, SimResult, simulate
 from loadtest.compare import (
     CompareConfig,
     Stream,
@@ -224,48 +224,46 @@ def slo_capacity(
     return out
 
 
-class _Traced(ClusterSim):
-    """The simulator, noting each decision with the engines' state at the arrival."""
+def _traced(config: ClusterConfig) -> tuple[ClusterSim, dict[int, tuple[Any, ...]]]:
+    """The simulator, noting each decision with the engines' state at the arrival, and
+    printing each warm-up as it is sent."""
+    sim = ClusterSim(config)
+    notes: dict[int, tuple[Any, ...]] = {}
+    queues: list[tuple[int, int]] = []
 
-    def __init__(self, config: ClusterConfig) -> None:
-        super().__init__(config)
-        self.notes: dict[int, tuple[Any, ...]] = {}
+    def before(a: Arrival) -> None:
+        queues[:] = [(w.core.waiting_prompt_tokens, w.core.num_running) for w in sim.workers]
 
-    def _arrive(self, a: Any) -> None:
-        queues = [(w.core.waiting_prompt_tokens, w.core.num_running) for w in self.workers]
-        route = self.router.route
+    def after(a: Arrival, d: Decision) -> None:
+        notes[a.index] = (
+            a.at,
+            d.worker,
+            d.reason,
+            d.predicted_ttft_ms,
+            d.matched_tokens,
+            list(queues),
+        )
 
-        def noted(*args: Any, **kw: Any) -> Any:
-            d = route(*args, **kw)
-            self.notes[a.index] = (
-                a.at, d.worker, d.reason, d.predicted_ttft_ms, d.matched_tokens, queues
-            )  # fmt: skip
-            return d
-
-        self.router.route = noted  # type: ignore[method-assign]
-        try:
-            super()._arrive(a)
-        finally:
-            del self.router.route
-
-    def _warm(self, intent: WarmupIntent, tokens: bytes, t: float) -> None:
+    def warm(intent: WarmupIntent, t: float) -> None:
         print(f"  warm-up {intent.worker} {intent.tokens} tokens at {t:.3f} s")
-        super()._warm(intent, tokens, t)
+
+    sim.before_route, sim.after_route, sim.on_warmup = before, after, warm
+    return sim, notes
 
 
 def trace(cfg: CompareConfig, policy: str, rate: float, seed: int) -> None:
     stream = _stream(cfg, seed)
     items, warmup = stream.window(rate, cfg.duration)
     first = {it.index: it.segments[0].key for it in items}
-    sim = _Traced(_cluster(cfg, policy, seed))
+    sim, notes = _traced(_cluster(cfg, policy, seed))
     res = sim.run(stream.arrivals(items))
     rows = {int(r["index"]): r for r in res.table.rows()}
     print(
         "index arrival_s first_segment worker reason predicted_ms ttft_ms"
         " predicted_cached cached queues"
     )
-    for i in sorted(sim.notes):
-        at, worker, reason, pred, matched, queues = sim.notes[i]
+    for i in sorted(notes):
+        at, worker, reason, pred, matched, queues = notes[i]
         r = rows.get(i)
         ttft = f"{r['ttft'] * 1000:8.0f}" if r else "  failed"
         cached = int(r["cached_tokens"]) if r else -1

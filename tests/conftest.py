@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 
-import pytest
 
-from loadtest.harness import RedisServer
+class _SourceFirst(importlib.abc.MetaPathFinder):
+    """Loads kvroute's modules from their ``.py`` source even where a compiled module
+    (setup.py's mypyc build) sits beside it: ``KVROUTE_PURE_PYTHON=1`` runs the tests
+    on the source, the reference the compiled core must equal (tests/test_compiled.py)."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith(("gateway.", "loadtest.")) or path is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".so"):
+            return None
+        source = Path(path[0]) / (fullname.rsplit(".", 1)[1] + ".py")
+        if not source.exists():  # _ckeys: C, not a compiled copy of Python source
+            return None
+        return importlib.util.spec_from_file_location(fullname, source)
+
+
+if os.environ.get("KVROUTE_PURE_PYTHON") == "1":
+    sys.meta_path.insert(0, _SourceFirst())
+
+import pytest  # noqa: E402
+
+from loadtest.harness import RedisServer  # noqa: E402
 
 
 @pytest.fixture

@@ -119,13 +119,8 @@ def test_decode_spans_and_report_skipping_change_nothing(trace: Path) -> None:
 
 def _views_at_decisions(sim: ClusterSim) -> list[list[Any]]:
     """Run ``sim`` recording, at every routing decision, every worker's load view."""
-    route, loads, seen = sim.router.route, sim.router.loads, []
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        seen.append([loads.view(n) for n in sim.names])
-        return route(*args, **kwargs)
-
-    sim.router.route = recording  # type: ignore[method-assign]
+    loads, seen = sim.router.loads, []
+    sim.before_route = lambda _: seen.append([loads.view(n) for n in sim.names])
     return seen
 
 
@@ -145,33 +140,35 @@ def test_reports_left_aside_change_no_view(trace: Path) -> None:
     assert outcome(fast) == outcome(slow)
 
 
-def test_gc_thresholds_hold_during_a_run_only_and_change_nothing(
-    trace: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_gc_thresholds_hold_during_a_run_only_and_change_nothing(trace: Path) -> None:
     """``gc_thresholds`` and ``malloc_pad`` are in force while ``run`` runs (seen from its
     progress callback), the caller's collector and glibc's default pad are back afterwards,
     also when the run fails, and the run is the one made with both left alone."""
     import loadtest.clustersim as clustersim
 
     pads: list[int] = []
-    real_pad = clustersim._malloc_pad
-    monkeypatch.setattr(clustersim, "_malloc_pad", lambda n: pads.append(n) or real_pad(n))
+
+    def watched(sim: ClusterSim) -> ClusterSim:
+        real_pad = sim.pad_heap
+        sim.pad_heap = lambda n: pads.append(n) or real_pad(n)
+        return sim
+
     stream = trace_stream(trace, 300)
     caller = gc.get_threshold()
     seen: list[tuple[int, ...]] = []
-    tuned = ClusterSim(ClusterConfig(**TRACE_CLUSTER))
+    tuned = watched(ClusterSim(ClusterConfig(**TRACE_CLUSTER)))
     res = tuned.run(stream, lambda n: seen.append(gc.get_threshold()), progress_every=100)
     assert seen and set(seen) == {tuned.gc_thresholds} != {caller}
     assert gc.get_threshold() == caller
     assert pads == [tuned.malloc_pad, clustersim._GLIBC_PAD] and tuned.malloc_pad
-    plain_sim = ClusterSim(ClusterConfig(**TRACE_CLUSTER))
+    plain_sim = watched(ClusterSim(ClusterConfig(**TRACE_CLUSTER)))
     plain_sim.gc_thresholds = plain_sim.malloc_pad = None
     plain = plain_sim.run(stream, lambda n: seen.append(gc.get_threshold()), progress_every=100)
     assert seen[-1] == caller
     assert outcome(res) == outcome(plain) and list(res.table.ttft) == list(plain.table.ttft)
     backwards = [stream[1], dataclasses.replace(stream[0], at=stream[1].at - 1.0)]
     with pytest.raises(ValueError, match="out of order"):
-        ClusterSim(ClusterConfig(**TRACE_CLUSTER)).run(backwards)
+        watched(ClusterSim(ClusterConfig(**TRACE_CLUSTER))).run(backwards)
     assert gc.get_threshold() == caller
     assert pads == [tuned.malloc_pad, clustersim._GLIBC_PAD] * 2
 
@@ -265,14 +262,8 @@ def test_index_precision_is_the_live_comparisons(chat: list[Arrival]) -> None:
     assert summarize(table, ["w0"], 1.0, 1000.0)["index_precision"] is None
 
     sim = ClusterSim(ClusterConfig(**CHAT_CLUSTER))
-    route, matched = sim.router.route, []
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        d = route(*args, **kwargs)
-        matched.append(d.matched_tokens)
-        return d
-
-    sim.router.route = recording  # type: ignore[method-assign]
+    matched: list[int] = []
+    sim.after_route = lambda _, d: matched.append(d.matched_tokens)
     res = sim.run(chat)
     assert res.summary["ok"] == len(chat) == len(matched)
     assert res.summary["predicted_tokens"] == sum(matched) > 0

@@ -101,7 +101,7 @@ def test_session_is_sticky_and_consistent() -> None:
     again = {s: pol.choose(RouteRequest([], 1, BS, f"s{s}"), full, ctx).worker for s in range(200)}
     assert again == first
     # w3 excluded: only its sessions move
-    three = PoolView(full.loads, [], frozenset({"w3"}))
+    three = PoolView.from_levels(full.loads, [], frozenset({"w3"}))
     moved = {
         s
         for s in range(200)

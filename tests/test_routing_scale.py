@@ -5,6 +5,7 @@ not list the holders of a prefix the whole pool holds."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +19,13 @@ from gateway.routing.load import LoadTracker
 from gateway.routing.policies import ttft
 from gateway.routing.policy import WorkerSet, make_policy
 from gateway.routing.router import Router
+
+
+def _compiled(cls: type) -> bool:
+    """Whether ``cls`` comes from a module compiled by mypyc (setup.py)."""
+    module = sys.modules[cls.__module__]
+    return module.__spec__ is not None and str(module.__spec__.origin).endswith(".so")
+
 
 BS = 16
 KEYER = BlockKeyer("scale-tests", BS)
@@ -146,6 +154,11 @@ def _big_router(n: int, seed: int, busy: float) -> tuple[Router, list[int]]:
     return r, shared
 
 
+@pytest.mark.skipif(
+    _compiled(LoadTracker),
+    reason="counts calls through a patched method, which compiled callers do not see: run on "
+    "the source by tests/test_compiled.py::test_the_core_tests_pass_on_the_source",
+)
 def test_a_decision_in_a_large_pool_lists_no_holders(monkeypatch: pytest.MonkeyPatch) -> None:
     """2,048 workers all holding the request's prefix: the decision counts and compares bit
     sets; it lists a handful of workers at most, never the holders. (Every worker has been
@@ -170,7 +183,7 @@ def test_a_decision_in_a_large_pool_lists_no_holders(monkeypatch: pytest.MonkeyP
         now += 0.01
         d = r.route(conv if i % 2 else [*shared, *_keys(i, 4)], 12 * BS, now)
         r.started(d, 12 * BS, now)
-    assert listed[0] <= 50 * 16, listed[0]
+    assert 0 < listed[0] <= 50 * 16, listed[0]
 
 
 @settings(max_examples=60, deadline=None)

@@ -27,7 +27,7 @@ its load changes). The memos are bounded and forgotten when ``params`` is assign
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["CostModel", "CostParams", "LoadTerms", "RequestTerms"]
 
@@ -77,25 +77,31 @@ class LoadTerms:
     decode_ms: float  # one decode step at the worker's KV usage; 0 when nothing runs
 
 
-@dataclass
 class CostModel:
     """Pure arithmetic over ``CostParams`` plus one calibration factor."""
 
-    params: CostParams = field(default_factory=CostParams)
-    scale: float = 1.0
-    observations: int = 0
-    _req_memo: dict[float, RequestTerms] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    _load_memo: dict[tuple[float, float, float], LoadTerms] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    def __init__(
+        self, params: CostParams | None = None, scale: float = 1.0, observations: int = 0
+    ) -> None:
+        self._params = params if params is not None else CostParams()
+        self.scale = scale
+        self.observations = observations
+        self._req_memo: dict[float, RequestTerms] = {}
+        self._load_memo: dict[tuple[float, float, float], LoadTerms] = {}
 
-    def __setattr__(self, name: str, value: object) -> None:
-        if name == "params" and "_req_memo" in self.__dict__:  # a new model: forget the memos
-            self._req_memo.clear()
-            self._load_memo.clear()
-        object.__setattr__(self, name, value)
+    @property
+    def params(self) -> CostParams:
+        return self._params
+
+    @params.setter
+    def params(self, value: CostParams) -> None:
+        """A new model: the memos are of the old one."""
+        self._params = value
+        self._req_memo.clear()
+        self._load_memo.clear()
+
+    def __repr__(self) -> str:
+        return f"CostModel(params={self._params!r}, scale={self.scale!r})"
 
     def request_terms(self, new_tokens: float) -> RequestTerms:
         """``RequestTerms`` of ``new_tokens`` uncached tokens, memoised."""

@@ -81,7 +81,7 @@ class ShadowIndex:
         self._node: dict[int, _Node] = {}  # key -> node whose run contains it
         self._detached: dict[int, _Node] = {}  # unknown parent key -> placeholder node
         self._nodes: list[set[_Node]] = []  # slot -> nodes whose mask has the slot's bit
-        self._real: list[int] = []  # slot -> blocks really held
+        self._real_blocks: list[int] = []  # slot -> blocks really held
         self._worker: list[str | None] = []  # slot -> worker id
         self._slot: dict[str, int] = {}
         self._free: list[int] = []  # heap of free slots (lowest first keeps masks small)
@@ -340,12 +340,12 @@ class ShadowIndex:
         if self._pending:
             self.settle()
         slot = self._slot.get(worker)
-        return 0 if slot is None else self._real[slot]
+        return 0 if slot is None else self._real_blocks[slot]
 
     def block_counts(self) -> dict[str, int]:
         if self._pending:
             self.settle()
-        return {w: self._real[s] for w, s in self._slot.items()}
+        return {w: self._real_blocks[s] for w, s in self._slot.items()}
 
     def worker_keys(self, worker: str) -> frozenset[int]:
         """The keys ``worker`` really holds: what must equal the agent's mirror."""
@@ -385,7 +385,7 @@ class ShadowIndex:
         """(block, worker) pairs really held."""
         if self._pending:
             self.settle()
-        return sum(self._real[s] for s in self._slot.values())
+        return sum(self._real_blocks[s] for s in self._slot.values())
 
     def speculative_entries(self) -> int:
         if self._pending:
@@ -422,7 +422,9 @@ class ShadowIndex:
         for s in self._slot.values():
             bit = 1 << s
             assert all(n.mask & bit for n in self._nodes[s])
-            assert self._real[s] == sum(len(n.keys) for n in self._nodes[s] if not n.spec & bit)
+            assert self._real_blocks[s] == sum(
+                len(n.keys) for n in self._nodes[s] if not n.spec & bit
+            )
 
     # -- tree edits -------------------------------------------------------------------------
 
@@ -523,7 +525,7 @@ class ShadowIndex:
             # speculative -> real on this range
             node = self._isolate(node, off, end)
             node.spec &= ~bit
-            self._real[bit.bit_length() - 1] += span
+            self._real_blocks[bit.bit_length() - 1] += span
             self.stats.speculative_confirmed += span
             self._merge_around(node)
             return span
@@ -573,7 +575,7 @@ class ShadowIndex:
 
     def _count(self, bit: int, n: int, speculative: bool, sign: int) -> None:
         if not speculative:
-            self._real[bit.bit_length() - 1] += sign * n
+            self._real_blocks[bit.bit_length() - 1] += sign * n
 
     def _isolate(self, node: _Node, off: int, end: int) -> _Node:
         """Split so that ``node.keys[off:end]`` is a node of its own; return that node."""
@@ -707,12 +709,12 @@ class ShadowIndex:
             slot = heapq.heappop(self._free)
             self._worker[slot] = worker
             self._nodes[slot] = set()
-            self._real[slot] = 0
+            self._real_blocks[slot] = 0
         else:
             slot = len(self._worker)
             self._worker.append(worker)
             self._nodes.append(set())
-            self._real.append(0)
+            self._real_blocks.append(0)
         self._slot[worker] = slot
         self._decoded.clear()
         return slot

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, overload
 
+from mypy_extensions import mypyc_attr
+
 from gateway.routing.costmodel import CostModel
 from gateway.routing.load import LoadTracker, LoadView
 from gateway.routing.popularity import PrefixPopularity
@@ -136,10 +138,21 @@ class PoolView:
     def __init__(
         self,
         loads: LoadTracker,
-        levels: list[tuple[int, list[str]]],
+        masks: list[tuple[int, int]],
         exclude: frozenset[str] = frozenset(),
         untrusted: frozenset[str] = frozenset(),
     ) -> None:
+        self._init(loads, masks, exclude, untrusted)
+
+    @classmethod
+    def from_levels(
+        cls,
+        loads: LoadTracker,
+        levels: list[tuple[int, list[str]]],
+        exclude: frozenset[str] = frozenset(),
+        untrusted: frozenset[str] = frozenset(),
+    ) -> PoolView:
+        """From ``ShadowIndex.match_levels`` (workers by name)."""
         members = loads.members()
         hidden = exclude | untrusted
         if hidden:
@@ -151,8 +164,9 @@ class PoolView:
         levels = [(n, ws) for n, ws in levels if ws]
         bits = loads.bits()
         masks = [(n, sum(bits[w] for w in ws)) for n, ws in levels]
-        self._init(loads, masks, exclude, untrusted)
-        self._levels = list(levels)
+        view = PoolView(loads, masks, exclude, untrusted)
+        view._levels = list(levels)
+        return view
 
     @classmethod
     def from_masks(
@@ -163,13 +177,11 @@ class PoolView:
         untrusted: frozenset[str] = frozenset(),
     ) -> PoolView:
         """From ``ShadowIndex.match_masks`` (its bits must be the tracker's: ``bind_bits``)."""
-        view = cls.__new__(cls)
         keep = loads.member_bits()
         if exclude or untrusted:
             for w in exclude | untrusted:
                 keep &= ~loads.bit(w)
-        view._init(loads, [(n, b & keep) for n, b in masks if b & keep], exclude, untrusted)
-        return view
+        return PoolView(loads, [(n, b & keep) for n, b in masks if b & keep], exclude, untrusted)
 
     def _init(
         self,
@@ -202,7 +214,7 @@ class PoolView:
         by: dict[int, list[str]] = {}
         for w, n in matches.items():
             by.setdefault(n, []).append(w)
-        return cls(loads, sorted(by.items(), reverse=True), exclude)
+        return PoolView.from_levels(loads, sorted(by.items(), reverse=True), exclude)
 
     @property
     def levels(self) -> list[tuple[int, Sequence[str]]]:
@@ -278,6 +290,7 @@ class PolicyContext:
     speculated_at: Callable[[str, int], float | None] | None = None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # plug-in policies subclass it
 class Policy(ABC):
     """Chooses a worker among a pool's eligible workers."""
 
@@ -298,7 +311,8 @@ _REGISTRY: dict[str, type[Policy]] = {}
 
 
 def register(cls: P) -> P:
-    """Class decorator: make a policy available by its ``name``."""
+    """Make a policy available by its ``name`` (called after the class: a decorated class
+    cannot be compiled)."""
     _REGISTRY[cls.name] = cls
     return cls
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 __all__ = [
     "BIGRAM_BYTES",
@@ -116,6 +117,7 @@ KVEvent = Union[BlocksStored, BlocksRemoved, AllBlocksCleared]  # noqa: UP007 - 
 # -- block pool ------------------------------------------------------------------------------
 
 
+@mypyc_attr(native_class=False)  # compiled: an exception stays a Python class
 class PoolExhausted(RuntimeError):
     """More blocks were asked for than are free."""
 

@@ -46,6 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from loadtest.enginesim.config import CacheConfig, SchedulerConfig
 from loadtest.enginesim.kvcache import (
     TOKEN_BYTES,
@@ -68,6 +70,7 @@ __all__ = [
 ]
 
 
+@mypyc_attr(native_class=False)  # compiled: an exception stays a Python class
 class RequestTooLarge(ValueError):
     """The request could never fit in the KV pool."""
 

@@ -18,7 +18,6 @@ from gateway.routing.policy import (
 )
 
 
-@register
 class LeastLoad(Policy):
     name = "least_load"
     uses_index = False
@@ -35,3 +34,6 @@ class LeastLoad(Policy):
             return v.running, v.queued_prefill_tokens
 
         return simple_decision(self, request, min(pair, key=load), pool, "least_load", explain)
+
+
+register(LeastLoad)

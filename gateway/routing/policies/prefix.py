@@ -17,7 +17,6 @@ from gateway.routing.policy import (
 )
 
 
-@register
 class LongestPrefix(Policy):
     name = "prefix"
     REASONS = ("cache", "cold")
@@ -33,3 +32,6 @@ class LongestPrefix(Policy):
         best = max(matches.values())
         worker = ctx.rng.choice(sorted(w for w, m in matches.items() if m == best))
         return simple_decision(self, request, worker, pool, "cache", explain)
+
+
+register(LongestPrefix)

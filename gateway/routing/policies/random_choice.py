@@ -13,7 +13,6 @@ from gateway.routing.policy import (
 )
 
 
-@register
 class RandomChoice(Policy):
     name = "random"
     uses_index = False
@@ -23,3 +22,6 @@ class RandomChoice(Policy):
         self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, explain: bool = False
     ) -> Decision:
         return simple_decision(self, request, ctx.rng.choice(pool.workers), pool, "random", explain)
+
+
+register(RandomChoice)

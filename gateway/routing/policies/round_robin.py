@@ -13,7 +13,6 @@ from gateway.routing.policy import (
 )
 
 
-@register
 class RoundRobin(Policy):
     name = "round_robin"
     uses_index = False
@@ -29,3 +28,6 @@ class RoundRobin(Policy):
         worker = workers[self._turn % len(workers)]
         self._turn += 1
         return simple_decision(self, request, worker, pool, "turn", explain)
+
+
+register(RoundRobin)

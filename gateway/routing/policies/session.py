@@ -21,7 +21,6 @@ from gateway.routing.policy import (
 )
 
 
-@register
 class Session(Policy):
     name = "session"
     uses_index = False
@@ -44,3 +43,6 @@ class Session(Policy):
 
 def _weight(key: bytes, worker: str) -> bytes:
     return hashlib.blake2b(key + b"\0" + worker.encode(), digest_size=8).digest()
+
+
+register(Session)

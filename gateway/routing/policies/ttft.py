@@ -121,7 +121,6 @@ from gateway.routing.policy import (
 from gateway.routing.replication import WarmupIntent, holders_needed
 
 
-@register
 class PredictedTTFT(Policy):
     name = "ttft"
     REASONS = ("single", "cold", "cache", "balance", "replicate")
@@ -671,3 +670,6 @@ def _oldest_idle(pool: PoolView, group: int, n_group: int) -> tuple[float, list[
             oldest = t
             found.append(w)
     return oldest, found
+
+
+register(PredictedTTFT)
