@@ -305,7 +305,10 @@ class ShadowIndex:
             m = len(run)
             if lazy is not None and pos + m >= len(keys):
                 lazy.upto(pos + m + 1)
-            common = m if keys[pos : pos + m] == run else _common_prefix(run, keys, pos)
+            # a key names its whole prefix (``_common_prefix``): the run matches as far as
+            # the request reaches iff its last key there does; no key-by-key comparison
+            end = min(m, len(keys) - pos)
+            common = end if run[end - 1] == keys[pos + end - 1] else _common_prefix(run, keys, pos)
             if alive != -1 and alive & ~node.mask and pos:
                 drops.append((pos, alive & ~node.mask))
             alive &= node.mask

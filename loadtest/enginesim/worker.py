@@ -389,7 +389,7 @@ class SimWorker:
             "kv_usage": core.kv_usage,
             "cached_blocks": core.cache.cached_blocks,
             "free_blocks": core.allocator.num_free,
-            "stats": vars(core.stats),
+            "stats": dataclasses.asdict(core.stats),
             "dp_size": len(self.ranks),
             "pd": {
                 "role": self.config.pd.role,
@@ -403,7 +403,7 @@ class SimWorker:
                     "running": r.core.num_running,
                     "waiting": r.core.num_waiting,
                     "cached_blocks": r.core.cache.cached_blocks,
-                    "stats": vars(r.core.stats),
+                    "stats": dataclasses.asdict(r.core.stats),
                 }
                 for r in self.ranks
             ],
