@@ -1,6 +1,7 @@
-"""The routing core and the cluster simulator run compiled (setup.py's mypyc build), from its current source, and the
-compiled core equals its source: the same decisions on a simulated cluster, and the core's
-own tests pass on the source too (``KVROUTE_PURE_PYTHON=1``, tests/conftest.py)."""
+"""The routing core and the cluster simulator run compiled (setup.py's mypyc build) from
+their current source, and the compiled modules equal their source: the same decisions on a
+simulated cluster, and their own tests pass on the source too (``KVROUTE_PURE_PYTHON=1``,
+tests/conftest.py)."""
 
 from __future__ import annotations
 
