@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.routing.keys import BlockKeyer
+from gateway.routing.replication import WarmupIntent
 from gateway.tokenization import Tokenizer, bundled_test_tokenizer
 from loadtest.clustersim import (
     Arrival,
@@ -478,3 +479,16 @@ def test_agrees_with_a_live_run(tokenizer: Tokenizer, tmp_path: Path) -> None:
     assert abs(live["hit_rate"] - sim_hit) <= 0.05, report
     assert 0.8 <= engine_mean / sim_mean <= 1.75, report
     assert 0.8 <= live_p50 / sim_p50 <= 1.75, report
+
+
+def test_a_warm_up_is_reported_to_the_hook_as_it_is_sent() -> None:
+    """``on_warmup`` sees each warm-up the simulator sends (``presettrace`` prints them), and
+    the warm-up is still sent: counted, and loading its worker."""
+    sim = ClusterSim(ClusterConfig(**TRACE_CLUSTER))
+    seen: list[tuple[WarmupIntent, float]] = []
+    sim.on_warmup = lambda intent, t: seen.append((intent, t))
+    intent = WarmupIntent(sim.names[3], key=7, blocks=2, tokens=1024, at=1.5)
+    sim._warm(intent, bytes(4 * 2048), 1.5)
+    assert seen == [(intent, 1.5)]
+    assert sim._stats["warmups"] == 1 and sim._stats["warmup_tokens"] == 1024
+    assert sim.router.loads.view(sim.names[3]).queued_prefill_tokens == 1024

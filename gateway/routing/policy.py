@@ -140,9 +140,24 @@ class PoolView:
         loads: LoadTracker,
         masks: list[tuple[int, int]],
         exclude: frozenset[str] = frozenset(),
-        untrusted: frozenset[str] = frozenset(),
     ) -> None:
-        self._init(loads, masks, exclude, untrusted)
+        """``masks`` already without excluded and untrusted workers (``from_masks``)."""
+        self.loads = loads
+        self.exclude = exclude
+        #: [(matched blocks, eligible workers' bits)], longest first, none empty;
+        #: ``untrusted`` workers stay eligible but show no match: they compete on load alone
+        self.masks = masks
+        eligible = loads.member_bits()
+        if exclude:
+            for w in exclude:
+                eligible &= ~loads.bit(w)
+        #: bits of the eligible workers
+        self.eligible_bits = eligible
+        self._levels = None
+        self._matches: dict[str, int] | None = None
+        self._workers: list[str] | None = None
+        #: eligible workers without the request's LoRA adapter loaded (they pay its load)
+        self.adapter_missing: frozenset[str] = frozenset()
 
     @classmethod
     def from_levels(
@@ -164,7 +179,7 @@ class PoolView:
         levels = [(n, ws) for n, ws in levels if ws]
         bits = loads.bits()
         masks = [(n, sum(bits[w] for w in ws)) for n, ws in levels]
-        view = PoolView(loads, masks, exclude, untrusted)
+        view = PoolView(loads, masks, exclude)
         view._levels = list(levels)
         return view
 
@@ -181,31 +196,7 @@ class PoolView:
         if exclude or untrusted:
             for w in exclude | untrusted:
                 keep &= ~loads.bit(w)
-        return PoolView(loads, [(n, b & keep) for n, b in masks if b & keep], exclude, untrusted)
-
-    def _init(
-        self,
-        loads: LoadTracker,
-        masks: list[tuple[int, int]],
-        exclude: frozenset[str],
-        untrusted: frozenset[str],
-    ) -> None:
-        self.loads = loads
-        self.exclude = exclude
-        #: [(matched blocks, eligible workers' bits)], longest first, none empty;
-        #: ``untrusted`` workers stay eligible but show no match: they compete on load alone
-        self.masks = masks
-        eligible = loads.member_bits()
-        if exclude:
-            for w in exclude:
-                eligible &= ~loads.bit(w)
-        #: bits of the eligible workers
-        self.eligible_bits = eligible
-        self._levels = None
-        self._matches: dict[str, int] | None = None
-        self._workers: list[str] | None = None
-        #: eligible workers without the request's LoRA adapter loaded (they pay its load)
-        self.adapter_missing: frozenset[str] = frozenset()
+        return PoolView(loads, [(n, b & keep) for n, b in masks if b & keep], exclude)
 
     @classmethod
     def from_matches(
