@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.server.workers > 1 and args.worker_index is None:
         return _supervise(cfg)
     try:
-        _run_loop(serve(cfg, reuse_port=args.worker_index is not None))
+        _run_loop(serve(cfg, reuse_port=args.worker_index is not None, freeze_heap=True))
     except KeyboardInterrupt:
         pass
     return 0
@@ -146,9 +147,15 @@ def make_bus(cfg: GatewayConfig) -> Any:
 
 
 async def serve(
-    cfg: GatewayConfig, reuse_port: bool = False, stop: asyncio.Event | None = None
+    cfg: GatewayConfig,
+    reuse_port: bool = False,
+    stop: asyncio.Event | None = None,
+    freeze_heap: bool = False,
 ) -> None:
-    """Run one gateway process until SIGTERM/SIGINT (or ``stop`` is set)."""
+    """Run one gateway process until SIGTERM/SIGINT (or ``stop`` is set).
+
+    ``freeze_heap``: the process is the gateway's own (``run``), so what start-up built can
+    leave the collector's view (:func:`_freeze_startup_heap`); not for a caller's process."""
     from aiohttp import web
 
     from gateway import warmup
@@ -180,6 +187,8 @@ async def serve(
         await metrics_runner.setup()
         for sock in metrics_socks:
             await web.SockSite(metrics_runner, sock).start()
+    if freeze_heap:
+        _freeze_startup_heap()
     done = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
@@ -202,6 +211,18 @@ async def serve(
         await runner.cleanup()
         if metrics_runner is not None:
             await metrics_runner.cleanup()
+
+
+def _freeze_startup_heap() -> None:
+    """Take what start-up built (tokenizer tables, compiled templates, the app) out of the
+    cyclic collector's view.
+
+    Those objects live as long as the process; left in the oldest generation, every full
+    collection walks them again (~75,000 containers here: a 36-44 ms pause of the event loop
+    on an 8,000-token chat workload, longer than the p99 a request adds). Collected first, so
+    no start-up garbage is kept; objects created later are collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def listen(host: str, port: int, reuse_port: bool, backlog: int = 1024) -> list[socket.socket]:

@@ -270,3 +270,25 @@ def test_smoke_stall_and_gateway_processes(capsys: pytest.CaptureFixture[str]) -
     assert new["new_conversation_cpu_ms"] < 0.5 * new["cold_chat_cpu_ms"], new
     rows = {row["system"] for row in r["table"]}
     assert {f"kvroute stall: {p}" for p in stall["phases"]} <= rows
+
+
+def test_a_phase_runs_with_the_clients_heap_frozen_and_leaves_it_as_it_was() -> None:
+    """The client's own full collections must not pause the phase it measures; after the
+    phase nothing stays frozen (a cycle dropped during the phase is collected then)."""
+    import gc
+    import weakref
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self
+
+    before = gc.get_freeze_count()
+    orphan = Node()  # alive when the phase starts (frozen), dropped during it
+    gone = weakref.ref(orphan)
+    with gw._client_heap_frozen():
+        assert gc.get_freeze_count() > before
+        del orphan
+        gc.collect()
+        assert gone() is not None  # frozen: the phase's collections do not walk it
+    assert gc.get_freeze_count() == before
+    assert gone() is None  # ... and after the phase it is collected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 from pathlib import Path
 from typing import Any
@@ -135,3 +136,51 @@ def test_serve_opens_its_ports_without_the_loops_resolver(
 
     with asyncio.Runner(loop_factory=_NoLoopResolver) as runner:
         assert runner.run(main()) == (200, 200)
+    assert gc.get_freeze_count() == 0  # a caller's process is left as it was
+
+
+def test_the_gateways_process_freezes_its_start_up_heap(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """``serve(freeze_heap=True)`` (the gateway's own process) takes what start-up built (the
+    tokenizer's tables, the app) out of the cyclic collector's view once it can answer, so a
+    full collection walks only what serving created."""
+    port = free_port()
+    file = tmp_path / "gw.yaml"
+    file.write_text(
+        yaml.safe_dump(
+            {
+                "server": {"port": port},
+                "redis": {"url": redis_server.url},
+                "pools": [{"model": "m", "tokenizer": str(bundled_test_tokenizer())}],
+            }
+        )
+    )
+    cfg = load_config(GatewayConfig, file=file)
+    cfg.validate()
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        served = asyncio.create_task(serve(cfg, stop=stop, freeze_heap=True))
+        try:
+            for _ in range(200):
+                if served.done():
+                    served.result()
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", port)
+                except ConnectionRefusedError:
+                    await asyncio.sleep(0.05)
+                    continue
+                writer.close()
+                return gc.get_freeze_count()
+            raise AssertionError("the gateway never opened its port")
+        finally:
+            stop.set()
+            await served
+
+    assert gc.get_freeze_count() == 0
+    try:
+        frozen = asyncio.run(main())
+        assert frozen > 10_000  # the app, the tokenizer's templates and tables: tens of thousands
+    finally:
+        gc.unfreeze()

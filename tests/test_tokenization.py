@@ -1088,3 +1088,22 @@ def test_benchmark_smoke() -> None:
     assert shaped["ok"] and shaped["ids_identical"] and shaped["messages"] == 9
     assert 1500 <= shaped["conversation_tokens"] < 1500 + 400  # grown in 200-word steps
     assert shaped["followup_new_tokens"] < 60
+
+
+def test_the_id_table_leaves_the_collectors_view(base: tokenizers.Tokenizer) -> None:
+    """The table of shared int objects (one per vocabulary id) is a tuple: after one pass the
+    cyclic collector stops walking it. A list would be walked by every full collection (a
+    ~130,000-entry table is milliseconds of pause per collection in the gateway). An id past
+    the table grows it, and the grown table is still one the collector can drop."""
+    import gc
+
+    tk = make(base)
+    try:
+        gc.collect()
+        assert not gc.is_tracked(tk._ints)
+        size = len(tk._ints)
+        assert tk._intern([1, size + 5]) == (1, size + 5)
+        gc.collect()
+        assert len(tk._ints) == size + 6 and not gc.is_tracked(tk._ints)
+    finally:
+        tk.close()
