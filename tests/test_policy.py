@@ -262,20 +262,32 @@ def test_cost_model_shape_and_calibration() -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 20_000), st.booleans()), max_size=25),
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 20_000), st.booleans(), st.integers(0, 8000)),
+        max_size=25,
+    ),
     st.dictionaries(st.sampled_from(WORKERS), st.integers(1, 400), max_size=4),
     st.integers(1, 8192),
     st.integers(0, 2**32),
 )
 @pytest.mark.parametrize(
-    ("step_ties", "long_tie_ratio", "long_wait_ratio"),
-    [(0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (0.0, 0.5, 0.0), (0.0, 0.0, 3.0)],
+    ("step_ties", "long_tie_ratio", "long_wait_ratio", "cold_wait_ratio"),
+    [
+        (0.0, 0.0, 0.0, 3.0),  # the default: the cold pool's window
+        (0.0, 0.0, 0.0, 0.0),
+        (1.0, 0.0, 0.0, 0.0),
+        (1.0, 0.0, 0.0, 3.0),
+        (0.0, 0.5, 0.0, 0.0),
+        (0.0, 0.0, 3.0, 0.0),
+        (0.0, 0.0, 2.0, 6.0),
+    ],
 )
 def test_pruned_ttft_search_agrees_with_scoring_everyone(
     step_ties: float,
     long_tie_ratio: float,
     long_wait_ratio: float,
-    ops: list[tuple[int, int, bool]],
+    cold_wait_ratio: float,
+    ops: list[tuple[int, int, bool, int]],
     matches: dict[str, int],
     prompt_tokens: int,
     seed: int,
@@ -285,8 +297,8 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
     for w in WORKERS:
         loads.add_worker(w)
     rids = []
-    for wi, tokens, first in ops:
-        rid = loads.started(WORKERS[wi], tokens, now=0.0)
+    for wi, tokens, first, cached in ops:  # cached: the pool's reuse, above or below 0.3
+        rid = loads.started(WORKERS[wi], tokens, now=0.0, cached_tokens=cached)
         rids.append(rid)
         if first:
             loads.first_token(rid)
@@ -296,6 +308,7 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
         step_ties=step_ties,
         long_tie_ratio=long_tie_ratio,
         long_wait_ratio=long_wait_ratio,
+        cold_wait_ratio=cold_wait_ratio,
     )
     req = RouteRequest([], prompt_tokens, BS)
     ratio = pol.tie_ratio
@@ -304,6 +317,8 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
     if new > 0 and new >= loads.mean_prompt_tokens:  # a long request: the wider windows
         ratio = max(ratio, long_tie_ratio)
         wait_ratio = long_wait_ratio
+        if loads.reuse() < 0.3:  # a cold pool: cold_wait_ratio, if wider
+            wait_ratio = max(wait_ratio, cold_wait_ratio)
     # its own prefill (with the compute floor) at the deepest match: a score less that is
     # the wait before it at that worker
     rt = CostModel().request_terms(new)
@@ -516,7 +531,7 @@ def test_ttft_long_tie_ratio_widens_ties_for_long_requests_only() -> None:
     assert loads.mean_prompt_tokens == pytest.approx(5000)
 
     def choose(request: RouteRequest, **params: float) -> str:
-        pol = make_policy("ttft", **params)
+        pol = make_policy("ttft", **{"cold_wait_ratio": 0.0, **params})  # (test below)
         return pol.choose(request, PoolView.from_matches(loads, {}), PolicyContext()).worker
 
     long_request = RouteRequest([], 20_000, BS)
@@ -550,7 +565,7 @@ def test_ttft_long_wait_ratio_widens_ties_only_by_the_best_workers_wait() -> Non
         return loads
 
     def choose(loads: LoadTracker, request: RouteRequest, **params: float) -> str:
-        pol = make_policy("ttft", **params)
+        pol = make_policy("ttft", **{"cold_wait_ratio": 0.0, **params})  # (test below)
         return pol.choose(request, PoolView.from_matches(loads, {}), PolicyContext()).worker
 
     long_request = RouteRequest([], 20_000, BS)
@@ -563,3 +578,47 @@ def test_ttft_long_wait_ratio_widens_ties_only_by_the_best_workers_wait() -> Non
     assert choose(idle, long_request, long_tie_ratio=1.0) != "w3"
     with pytest.raises(ValueError, match=">= 0"):
         make_policy("ttft", long_wait_ratio=-1.0)
+
+
+def test_reuse_is_the_recent_share_of_prompt_tokens_predicted_cached() -> None:
+    loads = LoadTracker()
+    assert loads.reuse() == 0.0  # nothing sent yet
+    loads.started("w0", 500, now=0.0)
+    assert loads.reuse() == 0.0  # nothing predicted cached
+    loads.started("w1", 500, now=0.0, cached_tokens=1500)
+    assert loads.mean_cached_tokens == 750 and loads.reuse() == pytest.approx(0.6)
+
+
+def test_ttft_opens_the_long_wait_window_by_default_only_in_a_cold_pool() -> None:
+    """The default (``cold_wait_ratio`` 3 below ``cold_reuse`` 0.3): past capacity (every
+    worker queued), a long request leaves the shortest queue when the pool's recent requests
+    found little of their prompts cached (long prompts, mostly cold: spreading loses no
+    cache), and takes it when they found most of it (multi-turn chat: where a first turn goes
+    is where its conversation's cache will be); a short request takes it either way, and
+    ``cold_wait_ratio: 0`` keeps the exact comparison in a cold pool too."""
+
+    def tracker(cached: int) -> LoadTracker:
+        loads = LoadTracker(order_key=CostModel().queue_key)
+        for w in WORKERS:
+            loads.add_worker(w)
+        loads.started("w1", 8000, now=0.0, cached_tokens=cached)  # the longest wait, queue
+        for t, w in enumerate(("w0", "w2", "w3"), start=1):
+            loads.started(w, 4000, now=float(t), cached_tokens=cached)
+        return loads
+
+    def choose(loads: LoadTracker, request: RouteRequest, **params: float) -> str:
+        pol = make_policy("ttft", **params)
+        return pol.choose(request, PoolView.from_matches(loads, {}), PolicyContext()).worker
+
+    long_request = RouteRequest([], 20_000, BS)
+    cold, warm = tracker(cached=500), tracker(cached=20_000)
+    assert cold.reuse() < 0.3 < warm.reuse()
+    assert choose(cold, long_request) == "w1"  # cold pool: the window opens
+    assert choose(warm, long_request) == "w0"  # reuse to keep: the shortest queue
+    assert choose(cold, RouteRequest([], 100, BS)) == "w0"  # short: the shortest queue
+    assert choose(cold, long_request, cold_wait_ratio=0.0) == "w0"  # turned off
+    assert choose(cold, long_request, cold_reuse=0.01) == "w0"  # a lower gate: closed
+    # an explicit long_wait_ratio applies whatever the reuse
+    assert choose(warm, long_request, long_wait_ratio=3.0) == "w1"
+    with pytest.raises(ValueError, match=">= 0"):
+        make_policy("ttft", cold_wait_ratio=-1.0)

@@ -99,6 +99,9 @@ class LoadTracker:
         #: uncached prompt tokens per request, for turning a reported count of waiting requests
         #: into queued work; learnt from the requests sent (an average over recent ones)
         self.mean_prompt_tokens = mean_prompt_tokens
+        #: prompt tokens per request predicted cached where it was sent (the same average):
+        #: with ``mean_prompt_tokens``, the pool's recent reuse (``reuse``)
+        self.mean_cached_tokens = 0.0
         self._sent = 0
         self.report_ttl = report_ttl
         #: sorts busy workers: (queued tokens, running, kv usage) -> key; default: queued tokens
@@ -273,8 +276,9 @@ class LoadTracker:
         self._expiry.append((now + self.report_ttl, worker, w.report_version))
         self._update(worker, w)
 
-    def started(self, worker: str, prefill_tokens: int, now: float) -> int:
-        """A request was sent to ``worker``; returns a handle for the calls below."""
+    def started(self, worker: str, prefill_tokens: int, now: float, cached_tokens: int = 0) -> int:
+        """A request was sent to ``worker`` (``prefill_tokens`` uncached, ``cached_tokens``
+        predicted cached there); returns a handle for the calls below."""
         self.add_worker(worker)
         rid = self._next_id
         self._next_id += 1
@@ -285,6 +289,7 @@ class LoadTracker:
         self._sent += 1
         alpha = max(0.02, 1.0 / self._sent)  # a plain mean at first, then recent requests
         self.mean_prompt_tokens += alpha * (prefill_tokens - self.mean_prompt_tokens)
+        self.mean_cached_tokens += alpha * (cached_tokens - self.mean_cached_tokens)
         w.prefill_tokens += prefill_tokens
         w.prefill_requests += 1
         w.sent_since_report += 1
@@ -292,6 +297,12 @@ class LoadTracker:
         w.requests.add(rid)
         self._update(worker, w)
         return rid
+
+    def reuse(self) -> float:
+        """The share of recent requests' prompt tokens predicted cached where they were sent
+        (0 before any request, 1 when all were)."""
+        total = self.mean_cached_tokens + self.mean_prompt_tokens
+        return self.mean_cached_tokens / total if self._sent and total > 0 else 0.0
 
     def first_token(self, rid: int) -> bool:
         """The request's prefill is done. False if the handle is unknown or already done."""

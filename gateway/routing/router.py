@@ -181,7 +181,8 @@ class Router:
     def started(self, decision: Decision, prompt_tokens: int, now: float) -> Ticket:
         """The request was sent to ``decision.worker``."""
         uncached = max(prompt_tokens - decision.matched_tokens, 1)
-        rid = self.loads.started(decision.worker, uncached, now)
+        cached = max(prompt_tokens - uncached, 0)
+        rid = self.loads.started(decision.worker, uncached, now, cached)
         return Ticket(rid, decision, now)
 
     def first_token(self, ticket: Ticket, now: float) -> None:

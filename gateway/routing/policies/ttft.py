@@ -48,6 +48,20 @@ load and improved every percentile at 40%, and at 60% moved the median 7.3 to 4.
 goodput 0.53 to 0.79 with the p99 19 to 25 s; on chat-eviction at 60%, hot-sudden, lora and
 dp-ranks it raised the p99 (docs/benchmarks.md, "A window of the wait: long_wait_ratio").
 
+``cold_wait_ratio`` (3, on by default) is that window, opened automatically while the pool
+has little reuse to lose: while the share of recent requests' prompt tokens predicted cached
+where they were sent (``LoadTracker.reuse``) is below ``cold_reuse`` (0.3). What separates
+trace-production from the presets the window hurt is reuse, not size: there (hit ~0.06)
+where a long cold prompt goes decides nothing later, so letting it leave the shortest queue
+to the short requests costs no cache; on multi-turn chat, LoRA and hot-prefix traffic (hit
+0.84-0.97) a long request is typically a conversation's or an adapter's first turn, its
+placement decides where the following turns find their cache, and the greedy choice is the
+right one there (the window raised their p99 by 16-63%). Offline, 2-3 seeds per preset, it
+gives trace-production long_wait_ratio 3's figures (60%: median 7.3 to 4.7 s, p99 19 to
+25 s) and every other preset the former default's, bar one request in hot-sudden's 30%
+(docs/benchmarks.md, "A window for cold pools: cold_wait_ratio"). ``cold_wait_ratio: 0``
+turns it off; an explicit larger ``long_wait_ratio`` applies whatever the reuse.
+
 Hot prefixes are replicated in proportion to demand (``gateway/routing/replication.py``): a
 prefix arriving at ``r`` requests/s whose cold prefill takes ``p`` ms warrants
 ``ceil(replication × r × p / 1000)`` holders (engine time demanded against one worker's
@@ -139,14 +153,17 @@ class PredictedTTFT(Policy):
         long_tie_ratio: float = 0.0,
         long_factor: float = 1.0,
         long_wait_ratio: float = 0.0,
+        cold_wait_ratio: float = 3.0,
+        cold_reuse: float = 0.3,
     ) -> None:
         if (
             min(compute_weight, tie_ms, tie_ratio, replication, step_ties, hot_step_ties) < 0
-            or min(long_tie_ratio, long_factor, long_wait_ratio) < 0
+            or min(long_tie_ratio, long_factor, long_wait_ratio, cold_wait_ratio, cold_reuse) < 0
         ):
             raise ValueError(
                 "compute_weight, tie_ms, tie_ratio, replication, step_ties, hot_step_ties,"
-                " long_tie_ratio, long_factor and long_wait_ratio must be >= 0"
+                " long_tie_ratio, long_factor, long_wait_ratio, cold_wait_ratio and cold_reuse"
+                " must be >= 0"
             )
         self.compute_weight = compute_weight
         self.tie_ms = tie_ms
@@ -163,6 +180,9 @@ class PredictedTTFT(Policy):
         self.long_factor = long_factor
         # ... or within that many times its wait at its best worker (0: off)
         self.long_wait_ratio = long_wait_ratio
+        # ... and that window by default while the pool's recent reuse is below cold_reuse
+        self.cold_wait_ratio = cold_wait_ratio
+        self.cold_reuse = cold_reuse
 
     def choose(
         self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, explain: bool = False
@@ -254,12 +274,15 @@ class PredictedTTFT(Policy):
         step = steps * cost.max_decode_step_ms() * scale if steps else 0.0
         # near-tie window of a score: the default's, or a long request's wider one (its wait
         # at the best worker, the best score less the cheapest base, when long_wait_ratio)
-        wait_ratio = 0.0
+        wait_ratio = self.long_wait_ratio
+        if self.cold_wait_ratio > wait_ratio and pool.loads.reuse() < self.cold_reuse:
+            wait_ratio = self.cold_wait_ratio  # little reuse to lose by spreading (docstring)
         base_min = 0.0
-        if (self.long_tie_ratio or self.long_wait_ratio) and self._long(request, pool, deepest):
+        if (self.long_tie_ratio or wait_ratio) and self._long(request, pool, deepest):
             tie_ratio = max(tie_ratio, self.long_tie_ratio)
-            wait_ratio = self.long_wait_ratio
             base_min = min(bases.values())
+        else:
+            wait_ratio = 0.0
 
         def tie_width(b: float) -> float:
             w = max(tie_ms, b * tie_ratio)
