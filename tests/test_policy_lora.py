@@ -49,10 +49,11 @@ def test_adapter_load_is_paid_against_queued_work() -> None:
     r.adapters.report("w0", ["sql"], slots=1)
     r.loads.started("w0", 30_000, now=0.0)  # seconds of queued prefill
     assert r.route([], 100, 0.0, adapter="sql").worker != "w0"
-    # a short queue is cheaper than a load (default 50 ms)
+    # a short queue is cheaper than a load (default 50 ms); the queued request is longer than
+    # this one, so this one is not a "long" request that a cold pool lets yield its best worker
     r2 = router(configured=("sql",))
     r2.adapters.report("w0", ["sql"], slots=1)
-    r2.loads.started("w0", 10, now=0.0)
+    r2.loads.started("w0", 150, now=0.0)
     assert r2.route([], 100, 0.0, adapter="sql").worker == "w0"
 
 
