@@ -43,7 +43,7 @@ class AntiEntropy:
         if stamp is None:
             return True
         self.stats.checks += 1
-        keys = self.index.worker_keys(worker)
+        keys = self.index.worker_key_list(worker)
         if len(keys) == stamp.blocks and key_digest(keys) == stamp.digest:
             return True
         self.stats.mismatches += 1

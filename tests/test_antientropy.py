@@ -4,15 +4,19 @@ where one store and one removal are silently lost (no sequence gap) and healed."
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import openai
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.antientropy import AntiEntropy
 from gateway.contract.wire import (
@@ -190,3 +194,30 @@ def _snapshot_keys(r: redis.Redis, wid: str) -> list[int]:
     if data is None:
         return []
     return [k for _, chain in decode_snapshot(data).chains for k in chain]
+
+
+def _reference_digest(keys: set[int]) -> str:
+    """The digest's definition, one key at a time (what agents of every version compute)."""
+    h = hashlib.sha256()
+    for k in sorted(keys):
+        h.update(k.to_bytes(8, "little"))
+    return h.hexdigest()[:32]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.integers(min_value=0, max_value=2**64 - 1), max_size=300), st.randoms())
+def test_the_key_digest_is_its_definition_whatever_the_order_or_container(
+    keys: set[int], rnd: Any
+) -> None:
+    """The vectorised digest equals the per-key definition (sorted, 8 bytes little-endian,
+    sha256) for any set of 64-bit keys, given as a set, a shuffled list or a tuple."""
+    want = _reference_digest(keys)
+    shuffled = list(keys)
+    rnd.shuffle(shuffled)
+    assert key_digest(keys) == key_digest(shuffled) == key_digest(tuple(shuffled)) == want
+
+
+def test_the_key_digest_refuses_keys_outside_64_bits() -> None:
+    for bad in ([-1], [2**64], [1, 2**70]):
+        with pytest.raises(OverflowError):
+            key_digest(bad)

@@ -148,7 +148,9 @@ class IndexMachine(RuleBasedStateMachine):
         for w in WORKERS:
             if self.model.known(w):
                 assert self.index.worker_keys(w) == self.model.real[w]
-                assert self.index.blocks(w) == len(self.model.real[w])
+                listed = self.index.worker_key_list(w)  # what a digest reads: each key once
+                assert len(listed) == len(self.model.real[w]) == self.index.blocks(w)
+                assert set(listed) == self.model.real[w]
             else:
                 assert w not in self.index
         live = {k for s in self.model.real.values() for k in s}

@@ -352,13 +352,19 @@ class ShadowIndex:
 
     def worker_keys(self, worker: str) -> frozenset[int]:
         """The keys ``worker`` really holds: what must equal the agent's mirror."""
+        return frozenset(self.worker_key_list(worker))
+
+    def worker_key_list(self, worker: str) -> list[int]:
+        """:meth:`worker_keys` as a list, each key once, in no particular order: what a
+        digest needs, without building a set of every key (anti-entropy's check runs on the
+        event loop)."""
         if self._pending:
             self.settle()
         slot = self._slot.get(worker)
         if slot is None:
-            return frozenset()
+            return []
         bit = 1 << slot
-        return frozenset(k for n in self._nodes[slot] if not n.spec & bit for k in n.keys)
+        return [k for n in self._nodes[slot] if not n.spec & bit for k in n.keys]
 
     def holds(self, worker: str, key: int) -> bool:
         if self._pending:
