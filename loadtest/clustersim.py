@@ -519,6 +519,14 @@ def _malloc_pad(nbytes: int) -> bool:
     return bool(mallopt(_M_TRIM_THRESHOLD, nbytes)) and bool(mallopt(_M_TOP_PAD, nbytes))
 
 
+def _mean_free(vals: tuple[Any, ...] | None) -> bool:
+    """Whether a report with these load values gives a view that does not depend on the
+    pool's mean prompt (``LoadTracker.report`` turns waiting requests into queued tokens at
+    that mean, which every request sent anywhere moves): no request waiting, or the engine
+    reporting its waiting prompt tokens itself."""
+    return vals is not None and (vals[1] == 0 or vals[3] is not None)
+
+
 def _report_order(report: tuple[float, Any, tuple[Any, ...], int]) -> tuple[float, float]:
     """Where a report stands in the queue: arrival time, then sampling time."""
     return report[0], report[2][3]
@@ -541,6 +549,7 @@ class _Worker:
         "pending",
         "queued",
         "rep_at",
+        "rep_mean",
         "rep_muts",
         "rep_vals",
         "span_dt",
@@ -564,6 +573,8 @@ class _Worker:
         self.blocks: dict[int, int] = {}  # engine block id -> canonical key (the agent's map)
         self.rep_vals: tuple[Any, ...] | None = None  # load values of the last applied report
         self.rep_at = -_INF  # when it was applied
+        # the pool's mean prompt then: a report's waiting requests become queued tokens at it
+        self.rep_mean = -1.0
         self.muts = 0  # calls that may have changed the engine (requests added, steps run)
         self.rep_muts = -1  # ``muts`` when the last applied report was sampled
         self.queued = 0  # its reports sampled and not yet applied
@@ -962,6 +973,7 @@ class ClusterSim:
         due = t + cfg.report_lag
         if (
             w.muts == w.rep_muts  # the engine is as it was when that report was sampled
+            and _mean_free(w.rep_vals)  # its view cannot move with the pool's mean prompt
             and not w.queued
             and (w.ghost is None or w.ghost[0] <= t)  # nor one left aside that may still be
             and w.touched_at < w.rep_at
@@ -1007,7 +1019,8 @@ class ClusterSim:
 
         ``LoadTracker.report`` with the same load values as the last applied report, no
         request sent, prefilled or finished on the worker since that one (so nothing is
-        counted as "sent", "prefilled" or "finished since the report") and that report still
+        counted as "sent", "prefilled" or "finished since the report"), the pool's mean
+        prompt unchanged where the view depends on it (``_mean_free``) and that report still
         far from its TTL yields the same view; skipping it only saves time (most reports of
         a large cluster repeat the previous one).
         """
@@ -1016,6 +1029,7 @@ class ClusterSim:
         loads = self.router.loads
         if (
             vals == w.rep_vals
+            and (_mean_free(vals) or loads.mean_prompt_tokens == w.rep_mean)
             and w.touched_at < w.rep_at
             and t - w.rep_at < loads.report_ttl / 2
             and self.skip_redundant_reports
@@ -1028,6 +1042,7 @@ class ClusterSim:
         w.rep_vals = vals
         w.rep_at = t
         w.rep_muts = muts
+        w.rep_mean = loads.mean_prompt_tokens
 
     def _push(self, t: float, kind: int, a: Any, b: Any) -> None:
         self._seq += 1

@@ -58,6 +58,10 @@ def test_index(capsys: pytest.CaptureFixture[str]) -> None:
     assert 0 < r["keys_followup_p50_us"] < r["keys_p50_us"]
     assert 0 < r["route_followup_p50_us"] <= r["route_followup_p99_us"]
     assert r["followups_reuse_keys"] and r["sane"]
+    # anti-entropy's check of the fullest worker, and the per-key digest beside it (sane
+    # requires both digests equal)
+    assert r["antientropy_blocks"] > 20_000 / 16
+    assert r["antientropy_check_ms"] > 0 and r["antientropy_check_per_key_ms"] > 0
     assert r["baseline_ids_to_array_p50_us"] > 0 and r["baseline_dict_walk_p50_us"] > 0
     # both key functions timed on the cold prompts (their keys checked equal: sane)
     assert r["keys_function"] == "native"

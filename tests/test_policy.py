@@ -309,6 +309,7 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
         long_tie_ratio=long_tie_ratio,
         long_wait_ratio=long_wait_ratio,
         cold_wait_ratio=cold_wait_ratio,
+        cold_min_requests=0,  # the gate on the reuse of however few requests were drawn
     )
     req = RouteRequest([], prompt_tokens, BS)
     ratio = pol.tie_ratio
@@ -582,11 +583,12 @@ def test_ttft_long_wait_ratio_widens_ties_only_by_the_best_workers_wait() -> Non
 
 def test_reuse_is_the_recent_share_of_prompt_tokens_predicted_cached() -> None:
     loads = LoadTracker()
-    assert loads.reuse() == 0.0  # nothing sent yet
+    assert loads.reuse() == 0.0 and loads.sent == 0  # nothing sent yet
     loads.started("w0", 500, now=0.0)
     assert loads.reuse() == 0.0  # nothing predicted cached
     loads.started("w1", 500, now=0.0, cached_tokens=1500)
     assert loads.mean_cached_tokens == 750 and loads.reuse() == pytest.approx(0.6)
+    assert loads.sent == 2
 
 
 def test_ttft_opens_the_long_wait_window_by_default_only_in_a_cold_pool() -> None:
@@ -607,6 +609,7 @@ def test_ttft_opens_the_long_wait_window_by_default_only_in_a_cold_pool() -> Non
         return loads
 
     def choose(loads: LoadTracker, request: RouteRequest, **params: float) -> str:
+        params.setdefault("cold_min_requests", 0)  # these pools sent 4 requests
         pol = make_policy("ttft", **params)
         return pol.choose(request, PoolView.from_matches(loads, {}), PolicyContext()).worker
 
@@ -618,7 +621,15 @@ def test_ttft_opens_the_long_wait_window_by_default_only_in_a_cold_pool() -> Non
     assert choose(cold, RouteRequest([], 100, BS)) == "w0"  # short: the shortest queue
     assert choose(cold, long_request, cold_wait_ratio=0.0) == "w0"  # turned off
     assert choose(cold, long_request, cold_reuse=0.01) == "w0"  # a lower gate: closed
+    # the default asks for evidence: 4 requests are too few to call the pool cold ...
+    assert choose(cold, long_request, cold_min_requests=32) == "w0"
+    for t in range(28):  # ... 32 are enough (more of the same: short, mostly uncached)
+        cold.first_token(cold.started("w2", 10, now=10.0 + t, cached_tokens=1))
+    assert cold.sent == 32 and cold.reuse() < 0.3
+    assert choose(cold, long_request, cold_min_requests=32) == "w1"
     # an explicit long_wait_ratio applies whatever the reuse
     assert choose(warm, long_request, long_wait_ratio=3.0) == "w1"
     with pytest.raises(ValueError, match=">= 0"):
         make_policy("ttft", cold_wait_ratio=-1.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        make_policy("ttft", cold_min_requests=-1)

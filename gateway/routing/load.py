@@ -298,6 +298,11 @@ class LoadTracker:
         self._update(worker, w)
         return rid
 
+    @property
+    def sent(self) -> int:
+        """Requests started so far: the evidence behind ``reuse`` and the means."""
+        return self._sent
+
     def reuse(self) -> float:
         """The share of recent requests' prompt tokens predicted cached where they were sent
         (0 before any request, 1 when all were)."""

@@ -44,7 +44,12 @@ with engine load reports on every worker. P1 is token ids -> chosen worker, keys
   runs) decoded from their stream entries and applied per second (P2, the consumer's path);
   ``index_apply_events_per_s``: the same events as plain index calls;
 * ``bytes_per_entry``: traced memory of the consumer-built index (keys as the consumer
-  creates them included) per indexed (block, worker) entry (P3).
+  creates them included) per indexed (block, worker) entry (P3);
+* ``antientropy_check_ms``: anti-entropy's check of the worker holding the most blocks
+  (``antientropy_blocks``), its keys listed and digested as the consumer does on the event
+  loop every digest interval; ``antientropy_check_per_key_ms`` is the same digest by its
+  per-key definition over a set of the keys, the way it was computed before (best of 3 each;
+  the two digests must agree for ``sane``).
 
 Baselines from the same run, so ratios survive machine noise: ``baseline_dict_walk_p50_us``
 (the same lookups done the naive way, one dict probe per block) and
@@ -60,6 +65,7 @@ from __future__ import annotations
 import argparse
 import array
 import gc
+import hashlib
 import random
 import statistics
 import time
@@ -84,6 +90,7 @@ from gateway.contract.wire import (
     Stored,
     decode_entry,
     encode_entry,
+    key_digest,
 )
 from gateway.routing.index import ShadowIndex
 from gateway.routing.keys import BlockKeyer, LazyKeys, PrefixKeys, native_available
@@ -459,6 +466,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 t[f"b2b_{kind}"].append((time.perf_counter() - t0) * 1e6)
     replay.clear()
 
+    check = _antientropy_check(index)
+    sane &= check.pop("agree")
+
     med = {k: statistics.median(v) for k, v in t.items()}
     route_p99 = _percentile(t["route"], 0.99)
     apply_rate = (stored_blocks + removed_blocks) / consumer_s
@@ -516,6 +526,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "baseline_ids_to_array_p50_us": round(med["ids"], 1),
         "decide_vs_dict_walk": round(med["decide"] / med["dict"], 3),
         "keys_vs_ids_to_array": round(med["keys"] / med["ids"], 3),
+        **check,
         "followups_reuse_keys": memo.hits >= args.queries,
         "sane": sane,
     }
@@ -572,6 +583,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
          "target": f"<= {P3_BYTES:g}", "ok": checks["bytes_per_entry"]},
     ]  # fmt: skip
     return result
+
+
+def _antientropy_check(index: ShadowIndex) -> dict[str, Any]:
+    """Time anti-entropy's digest of the fullest worker, and the per-key way beside it."""
+    counts = index.block_counts()
+    worker = max(counts, key=lambda w: counts[w])
+    fast: list[float] = []
+    slow: list[float] = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        got = key_digest(index.worker_key_list(worker))
+        fast.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        h = hashlib.sha256()
+        for k in sorted(index.worker_keys(worker)):
+            h.update(k.to_bytes(8, "little"))
+        want = h.hexdigest()[:32]
+        slow.append(time.perf_counter() - t0)
+    return {
+        "antientropy_blocks": counts[worker],
+        "antientropy_check_ms": round(min(fast) * 1000, 2),
+        "antientropy_check_per_key_ms": round(min(slow) * 1000, 2),
+        "agree": got == want,
+    }
 
 
 def _dict_walk(flat: dict[int, int], keys: Sequence[int]) -> list[int]:
