@@ -218,9 +218,9 @@ def _freeze_startup_heap() -> None:
     cyclic collector's view.
 
     Those objects live as long as the process; left in the oldest generation, every full
-    collection walks them again (~75,000 containers here: a 36-44 ms pause of the event loop
-    on an 8,000-token chat workload, longer than the p99 a request adds). Collected first, so
-    no start-up garbage is kept; objects created later are collected as usual."""
+    collection walks them again (a 45-49 ms pause of the event loop on ``bench gateway``'s
+    8,000-token chats, 8.5 ms after: docs/benchmarks.md, "Pauses of the event loop").
+    Collected first, so no start-up garbage is kept; later objects are collected as usual."""
     gc.collect()
     gc.freeze()
 
