@@ -51,3 +51,40 @@ def test_without_the_variable_nothing_is_written(tmp_path: Path) -> None:
 def test_the_summary_refuses_a_missing_directory(tmp_path: Path, capsys) -> None:
     assert gcpauses.main([str(tmp_path / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def _thresholds(tmp_path: Path, value: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": f"{HOOK}{os.pathsep}{ROOT}"}
+    env.pop("KVROUTE_GC_LOG_DIR", None)
+    env["KVROUTE_GC_GATEWAY_THRESHOLD"] = value
+    program = "import gc; print(*gc.get_threshold())"
+    return subprocess.run(
+        [sys.executable, "-c", program, *argv],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_the_threshold_is_set_in_a_gateway_process_only(tmp_path: Path) -> None:
+    default = " ".join(map(str, __import__("gc").get_threshold()))
+    assert _thresholds(tmp_path, "10000", "gateway").stdout.split() == ["10000", "10", "10"]
+    assert _thresholds(tmp_path, "5000,5,7", "gateway", "--config", "x").stdout.split() == [
+        "5000",
+        "5",
+        "7",
+    ]
+    # the bench that starts gateways, and every other process, keep Python's thresholds
+    assert _thresholds(tmp_path, "10000", "bench", "gateway").stdout.strip() == default
+    assert _thresholds(tmp_path, "10000", "sim").stdout.strip() == default
+
+
+def test_a_bad_threshold_is_refused_with_its_value(tmp_path: Path) -> None:
+    for bad in ("lots", "0", "1,2,3,4", ""):
+        run = _thresholds(tmp_path, bad, "gateway")
+        if bad == "":
+            assert run.returncode == 0  # unset in effect
+            continue
+        assert run.returncode != 0
+        assert f"KVROUTE_GC_GATEWAY_THRESHOLD={bad!r}" in run.stderr

@@ -8,6 +8,11 @@ process's kvroute subcommand (``gateway``, ``sim``, ``agent``, ``bench``) or ``p
 many objects it walks (every tracked object not frozen) and how many are frozen. Without the variable this does nothing.
 
     KVROUTE_GC_LOG_DIR=/tmp/gc PYTHONPATH=loadtest/gclog kvroute bench gateway ...
+
+``KVROUTE_GC_GATEWAY_THRESHOLD=N[,N1,N2]`` (with or without the log) also sets the collector's
+thresholds (``gc.set_threshold``) in the gateway's own processes only, for an A/B of the
+young-generation threshold against Python's default (700, 10, 10): docs/benchmarks.md, "Where
+a routed request's CPU goes".
 """
 
 from __future__ import annotations
@@ -54,5 +59,22 @@ class _Log:
         )
 
 
+def _thresholds(value: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        out = ()
+    if not 1 <= len(out) <= 3 or min(out) < 1:
+        raise SystemExit(
+            f"KVROUTE_GC_GATEWAY_THRESHOLD={value!r}: expected 1 to 3 positive integers, e.g. 10000,10,10"
+        )
+    return out
+
+
 if _DIR:
     gc.callbacks.append(_Log(_DIR))
+# at start-up ``sys.argv`` holds the subcommand first: ``-m gateway.cli gateway ...`` and
+# ``kvroute gateway ...`` alike (``kvroute bench gateway`` is the bench, not a gateway)
+_THRESHOLD = os.environ.get("KVROUTE_GC_GATEWAY_THRESHOLD")
+if _THRESHOLD and sys.argv[1:2] == ["gateway"]:
+    gc.set_threshold(*_thresholds(_THRESHOLD))
