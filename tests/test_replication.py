@@ -436,3 +436,53 @@ def test_spill_mode_keeps_the_cold_replicate_path() -> None:
     reasons = hot_stream(r, 30, 0.05)
     assert reasons.count("replicate") >= 1
     assert r.ctx.warmups.asked == 0
+
+
+def _shared_prefix_stream(suffix: int, **params: object) -> tuple[Router, list[Decision]]:
+    """Long, mostly cold prompts sharing one 512-token prefix (``trace-production``'s shape),
+    2 s apart on 4 workers, each prefilled and left decoding: every worker it went to stays
+    busy. The first one's worker reports the prefix computed."""
+    r = router(seed=8, **params)
+    prefix = ids(21, 512)
+    out = []
+    for i in range(6):
+        toks = prefix + ids(3000 + i, suffix)
+        now = 2.0 * i
+        d = r.route(KEYER.keys(toks), len(toks), now=now)
+        r.first_token(r.started(d, len(toks), now=now), now=now + 0.5)
+        if i == 0:
+            r.index.stored(d.worker, None, KEYER.keys(prefix))
+        out.append(d)
+    return r, out
+
+
+def test_idle_workers_without_a_shared_prefix_are_warmed_in_a_cold_pool() -> None:
+    """Each request prefers the prefix's busy holder (a decode step riding along its
+    prefill) to an idle worker that would recompute the 512 tokens, and a prefix that short
+    needs one holder for its compute: without ``warm_idle`` the other workers are never sent
+    anything. With it (the default), in a cold pool, an idle non-holder is warmed with the
+    prefix (one per request, never the same one twice), and the index counts it a holder
+    from then on (speculated), so the next requests take the warmed workers, idle holders."""
+    r, ds = _shared_prefix_stream(5000)
+    holder = ds[0].worker
+    intents = r.ctx.warmups.drain()
+    warmed = [i.worker for i in intents]
+    assert warmed, "no warm-up of an idle worker"
+    assert len(set(warmed)) == len(warmed) and holder not in warmed
+    assert all(i.tokens == 512 and i.blocks == 32 for i in intents)
+    used = {d.worker for d in ds}
+    assert len(used) > 1 and used <= {holder, *warmed}
+    assert all(d.matched_tokens == 512 for d in ds[1:])  # every one a cache hit
+
+    r, ds = _shared_prefix_stream(5000, warm_idle=False)  # off: one worker takes them all
+    assert {d.worker for d in ds} == {ds[0].worker}
+    assert r.ctx.warmups.asked == 0
+
+
+def test_idle_workers_are_not_warmed_when_the_pool_reuses_much() -> None:
+    """The same stream with short suffixes: the shared prefix is most of every prompt
+    (recent reuse above ``cold_reuse``), where idle workers' caches are worth keeping (and
+    a prefix worth more holders gets them from its demand): no warm-up."""
+    r, _ = _shared_prefix_stream(100)
+    assert r.loads.reuse() > 0.3
+    assert r.ctx.warmups.asked == 0
