@@ -48,7 +48,7 @@ from loadtest.compare import (
     search_max_rate,
     write_trace_window,
 )
-from loadtest.simulate import parse_params
+from loadtest.simulate import parse_policy
 from loadtest.workloads import make_workload
 
 __all__ = ["main"]
@@ -77,12 +77,6 @@ def _stream(cfg: CompareConfig, seed: int) -> Stream:
     workload = make_workload(cfg.workload, seed=seed, **cfg.params)
     # a trace's prompts are token ids: the offline simulator takes them as they are
     return Stream(workload, "completion_ids" if workload.prompt_kind == "ids" else cfg.mode)
-
-
-def parse_policy(spec: str) -> tuple[str, dict[str, Any]]:
-    """``name`` or ``name:key=value,key=value`` (values parsed as YAML scalars)."""
-    name, _, rest = spec.partition(":")
-    return name.strip(), parse_params(filter(None, rest.split(",")))
 
 
 def split_policies(text: str) -> list[str]:

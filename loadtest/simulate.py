@@ -371,6 +371,12 @@ def parse_params(pairs: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+def parse_policy(spec: str) -> tuple[str, dict[str, Any]]:
+    """``name`` or ``name:key=value,key=value`` (values parsed as YAML scalars)."""
+    name, _, rest = spec.partition(":")
+    return name.strip(), parse_params(filter(None, rest.split(",")))
+
+
 def _params(pairs: list[str]) -> dict[str, Any]:
     try:
         return parse_params(pairs)

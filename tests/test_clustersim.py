@@ -394,6 +394,20 @@ def test_simulate_command_and_benchmark(
     assert res["requests_per_s"] > 0 and res["round_robin"]["requests_per_s"] > 0
     assert res["projected_full_s"] == pytest.approx(res["us_per_request"], rel=1e-3)
 
+    # policies with parameters, an A/B on one stream: the parameter reaches the policy
+    ab = bench.run(bp.parse_args(["--workers", "4", "--requests", "200", "--trace", str(trace),
+                                  "--policy", "ttft:tie_ms=1000", "--baseline", "ttft",
+                                  "--json"]))  # fmt: skip
+    shown = ("hit_rate", "ttft_p50_ms", "max_mean_load")
+    # a 1 s near-tie window spreads by load alone: not the default's placement
+    assert [ab["ttft:tie_ms=1000"][k] for k in shown] != [ab["ttft"][k] for k in shown]
+    assert ab["ttft:tie_ms=1000"]["policy"] == "ttft:tie_ms=1000"
+    for bad, says in (("ttft:nope=1", "nope"), ("ttft:replication", "PARAM=VALUE"),
+                      ("nosuch", "unknown routing policy")):  # fmt: skip
+        with pytest.raises(SystemExit, match=says):
+            bench.run(bp.parse_args(["--workers", "4", "--requests", "200", "--trace",
+                                     str(trace), "--policy", bad, "--json"]))  # fmt: skip
+
 
 # -- agreement with a live run -----------------------------------------------------------------------
 

@@ -35,8 +35,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from gateway.routing.policy import make_policy
 from loadtest.clustersim import ClusterConfig, SimResult, simulate
-from loadtest.simulate import TRACE_BLOCK_TOKENS, trace_arrivals
+from loadtest.simulate import TRACE_BLOCK_TOKENS, parse_policy, trace_arrivals
 from loadtest.workloads import write_synthetic_trace
 
 NAME = "simulate"
@@ -53,9 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full", action="store_true", help="Q6 size: 2,048 workers, 1M requests")
     p.add_argument("--rate-per-worker", type=float, default=0.8, help="offered req/s per worker")
     p.add_argument("--kv-blocks", type=int, default=512, help="512-token blocks per worker")
-    p.add_argument("--policy", default="ttft")
-    p.add_argument("--baseline", help="baseline policy run on the same stream (default "
-                   "round_robin; none with --full; '' to skip)")  # fmt: skip
+    p.add_argument("--policy", default="ttft",
+                   help="name or name:key=value,... (e.g. ttft:warm_idle=false)")  # fmt: skip
+    p.add_argument("--baseline", help="baseline policy run on the same stream, as --policy "
+                   "(default round_robin; none with --full; '' to skip)")  # fmt: skip
     p.add_argument("--trace", help="reuse this trace (default: generate one in --trace-dir)")
     p.add_argument("--trace-dir", default=tempfile.gettempdir())
     p.add_argument("--seed", type=int, default=0)
@@ -73,6 +75,16 @@ def _trace(args: argparse.Namespace, workers: int, requests: int) -> Path:
         write_synthetic_trace(tmp, requests=requests, duration_s=duration, seed=args.seed)
         tmp.rename(path)
     return path
+
+
+def _policy(spec: str) -> tuple[str, dict[str, Any]]:
+    """``--policy`` / ``--baseline``: checked before any simulation starts."""
+    try:
+        name, params = parse_policy(spec)
+        make_policy(name, **params)
+    except ValueError as exc:
+        raise SystemExit(f"kvroute bench simulate: policy {spec!r}: {exc}") from None
+    return name, params
 
 
 def _run(
@@ -106,10 +118,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     rows = []
     baseline = args.baseline if args.baseline is not None else ("" if args.full else "round_robin")
-    for policy in [args.policy, *([baseline] if baseline else [])]:
+    specs = [args.policy, *([baseline] if baseline else [])]
+    parsed = [_policy(spec) for spec in specs]
+    for policy, (name, params) in zip(specs, parsed, strict=True):
         cfg = ClusterConfig(
             workers=workers,
-            policy=policy,
+            policy=name,
+            policy_params=params,
             block_size=TRACE_BLOCK_TOKENS,
             kv_blocks=args.kv_blocks,
             seed=args.seed,
