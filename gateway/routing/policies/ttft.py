@@ -98,8 +98,8 @@ the cluster into a collapse it did not leave (docs/benchmarks.md, "Open-loop tur
 onset"). A conversation's own prefix (a low rate) never replicates; one
 system prompt on every request at a high rate ends up on every worker.
 
-``warm_idle`` (off by default: see the end of this paragraph) adds holders for a reason the demand's compute does not
-show: in a cold pool (recent reuse below ``cold_reuse``), a sustained prefix (not a burst)
+``warm_idle`` (off by default: see the end of this paragraph) adds holders for a reason
+the demand's compute does not show: in a cold pool (recent reuse below ``cold_reuse``), a sustained prefix (not a burst)
 whose holders are all busy is warmed onto an idle worker that lacks it, one per request
 while any such worker is left. On long, mostly cold prompts sharing one short prefix (the
 ``trace-production`` preset: 512 shared tokens of ~12,000) every request prefers a holder
@@ -115,7 +115,8 @@ workers without the shared prefix"). With much reuse (multi-turn chat) the gate 
 shut: there warmed copies displaced conversations' cache (chat-eviction at 30%: hit 0.896
 to 0.890 without the gate). Off by default because at fleet size its warm-ups are work the
 offline simulator does too: Q6 (2,048 workers x 1M requests, a trace reusing ~18%) took
-650.9 s with it against a 600 s budget (486 s before; TTFT p50 126 vs 128 ms).
+650.9 s with it against a 600 s budget, 539.6 s without it on the same machine (TTFT p50
+126 vs 128 ms).
 
 LoRA adapters: a request for an adapter is keyed on the adapter's chain (its matches are
 blocks computed with that adapter only), and a worker without the adapter loaded adds
@@ -522,9 +523,10 @@ class PredictedTTFT(Policy):
             return None
         need = holders_needed(pop.rate(key, now), prefill, len(pool.workers), self.replication)
         if have >= need:  # enough holders for the demand's compute; an idle one, though?
-            target = self._idle_newcomer(pool, ctx, v.idle, warming)
-            if target is not None and not self._none_computed(pool, ctx, pool.masks[0][1], key):
-                book.want(WarmupIntent(target, key, depth, tokens, now))
+            if self.warm_idle:
+                target = self._idle_newcomer(pool, ctx, v.idle, warming)
+                if target is not None and not self._none_computed(pool, ctx, pool.masks[0][1], key):
+                    book.want(WarmupIntent(target, key, depth, tokens, now))
             return None
         target = self._newcomer(pool, ctx, pick, {*holders, *warming})
         if target is None:
@@ -552,7 +554,7 @@ class PredictedTTFT(Policy):
         the wait for the step under way) rather than recompute the prefix on an idle
         worker, which costs more, so the idle workers are never sent anything: the prefix's
         compute is what ``holders_needed`` counts, and a short one warrants one holder."""
-        if not self.warm_idle or not self.warmup or pick_idle:
+        if not self.warmup or pick_idle:
             return None
         idle = pool.idle_bits
         held = pool.masks[0][1]
