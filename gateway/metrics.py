@@ -276,6 +276,18 @@ class GatewayMetrics:
             multiprocess_mode="max",
             registry=r,
         )
+        self.event_reads = Gauge(
+            "kvroute_event_reads",
+            "XREADs of the KV-event streams (round trips to Redis)",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.event_entries_read = Gauge(
+            "kvroute_event_entries_read",
+            "KV-event stream entries those reads returned (entries per read: the batching)",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
         self.gaps = Gauge(
             "kvroute_index_gaps",
             "Stream gaps detected by the consumer",

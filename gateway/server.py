@@ -334,6 +334,8 @@ class Gateway:
             m.redis_up.set(1 if cs.connected else 0)
             m.event_lag.set(cs.lag_last_s)
             m.resyncs.set(cs.resyncs)
+            m.event_reads.set(cs.reads)
+            m.event_entries_read.set(cs.entries_read)
             m.gaps.set(getattr(cs.apply, "gaps", 0))
 
     def _forget_worker_metrics(self, wid: str) -> None:

@@ -229,6 +229,15 @@ def test_health_ready_metrics_and_admin_endpoints(stack: Stack) -> None:
         if line.startswith("kvroute_routing_decision_seconds_count")
     )
     assert float(count.rsplit(" ", 1)[1]) > 0
+    # the KV-event reads, and the entries they brought (at least one each: every routed
+    # request's prefill was stored and published)
+    values = {
+        line.split(" ")[0]: float(line.rsplit(" ", 1)[1])
+        for line in body.decode().splitlines()
+        if line.startswith("kvroute_event_")
+    }
+    reads, entries = values["kvroute_event_reads"], values["kvroute_event_entries_read"]
+    assert reads > 0 and entries > 0
     assert get(url + "/workers")[0] == 401
     assert get(url + "/workers", "wrong")[0] == 401
     status, body = get(url + "/workers", ADMIN_KEY)

@@ -460,10 +460,10 @@ def test_idle_workers_without_a_shared_prefix_are_warmed_in_a_cold_pool() -> Non
     """Each request prefers the prefix's busy holder (a decode step riding along its
     prefill) to an idle worker that would recompute the 512 tokens, and a prefix that short
     needs one holder for its compute: without ``warm_idle`` the other workers are never sent
-    anything. With it (``warm_idle: true``; off by default), in a cold pool, an idle non-holder is warmed with the
+    anything. With it (``warm_idle``, the default), in a cold pool, an idle non-holder is warmed with the
     prefix (one per request, never the same one twice), and the index counts it a holder
     from then on (speculated), so the next requests take the warmed workers, idle holders."""
-    r, ds = _shared_prefix_stream(5000, warm_idle=True)
+    r, ds = _shared_prefix_stream(5000)  # the default: on
     holder = ds[0].worker
     intents = r.ctx.warmups.drain()
     warmed = [i.worker for i in intents]
@@ -474,7 +474,7 @@ def test_idle_workers_without_a_shared_prefix_are_warmed_in_a_cold_pool() -> Non
     assert len(used) > 1 and used <= {holder, *warmed}
     assert all(d.matched_tokens == 512 for d in ds[1:])  # every one a cache hit
 
-    r, ds = _shared_prefix_stream(5000)  # off (the default): one worker takes them all
+    r, ds = _shared_prefix_stream(5000, warm_idle=False)  # off: one worker takes them all
     assert {d.worker for d in ds} == {ds[0].worker}
     assert r.ctx.warmups.asked == 0
 
@@ -483,6 +483,6 @@ def test_idle_workers_are_not_warmed_when_the_pool_reuses_much() -> None:
     """The same stream with short suffixes: the shared prefix is most of every prompt
     (recent reuse above ``cold_reuse``), where idle workers' caches are worth keeping (and
     a prefix worth more holders gets them from its demand): no warm-up."""
-    r, _ = _shared_prefix_stream(100, warm_idle=True)
+    r, _ = _shared_prefix_stream(100)
     assert r.loads.reuse() > 0.3
     assert r.ctx.warmups.asked == 0

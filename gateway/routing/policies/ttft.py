@@ -98,7 +98,7 @@ the cluster into a collapse it did not leave (docs/benchmarks.md, "Open-loop tur
 onset"). A conversation's own prefix (a low rate) never replicates; one
 system prompt on every request at a high rate ends up on every worker.
 
-``warm_idle`` (off by default: see the end of this paragraph) adds holders for a reason
+``warm_idle`` (on by default) adds holders for a reason
 the demand's compute does not show: in a cold pool (recent reuse below ``cold_reuse``), a sustained prefix (not a burst)
 whose holders are all busy is warmed onto an idle worker that lacks it, one per request
 while any such worker is left. On long, mostly cold prompts sharing one short prefix (the
@@ -113,10 +113,11 @@ prefix cached: 832), p90 / p99 level, at 40% 1,763 to 1,556 ms; at 60%, where id
 workers are rare, the change is within the run-to-run noise (docs/benchmarks.md, "Idle
 workers without the shared prefix"). With much reuse (multi-turn chat) the gate stays
 shut: there warmed copies displaced conversations' cache (chat-eviction at 30%: hit 0.896
-to 0.890 without the gate). Off by default because at fleet size its warm-ups are work the
-offline simulator does too: Q6 (2,048 workers x 1M requests, a trace reusing ~18%) took
-650.9 s with it against a 600 s budget, 539.6 s without it on the same machine (TTFT p50
-126 vs 128 ms).
+to 0.890 without the gate). At fleet size its warm-ups cost the offline simulator nothing
+measurable: Q6 (2,048 workers x 1M requests, a trace reusing ~18%) took 354.9 s with it and
+352.2 s without, back to back on one machine (TTFT p50 126 vs 128 ms); an earlier pair,
+650.9 vs 539.6 s, which had it off by default for a while, ran 20 minutes apart on a machine
+whose speed drifted (docs/benchmarks.md, "Idle workers without the shared prefix").
 
 LoRA adapters: a request for an adapter is keyed on the adapter's chain (its matches are
 blocks computed with that adapter only), and a worker without the adapter loaded adds
@@ -180,7 +181,7 @@ class PredictedTTFT(Policy):
         cold_wait_ratio: float = 3.0,
         cold_reuse: float = 0.3,
         cold_min_requests: int = 32,
-        warm_idle: bool = False,
+        warm_idle: bool = True,
     ) -> None:
         if (
             min(compute_weight, tie_ms, tie_ratio, replication, step_ties, hot_step_ties) < 0
