@@ -643,6 +643,24 @@ def panels() -> list[dict[str, Any]]:
     )
     L.add(
         timeseries(
+            "KV-event reads/s and entries per read",
+            targets(
+                ("sum by (pod) (rate(kvroute_event_reads[$__rate_interval]))", "{{pod}} reads/s"),
+                (
+                    "sum(rate(kvroute_event_entries_read[$__rate_interval])) / "
+                    "sum(rate(kvroute_event_reads[$__rate_interval]))",
+                    "entries per read (all gateways)",
+                ),
+            ),
+            description="XREADs each gateway sends Redis, and how many stream entries one "
+            "brings back: near 1 on a lightly loaded bus (a read per entry), higher as "
+            "events arrive faster than reads return.",
+        ),
+        8,
+        8,
+    )
+    L.add(
+        timeseries(
             "Index resyncs, gaps and orphan stores",
             targets(
                 ("max(kvroute_index_resyncs)", "resyncs"),
