@@ -337,7 +337,7 @@ class Consumer:
         while not self._stopping:
             try:
                 await self._bootstrap_pending()
-                if await self._read_once() is not None:
+                if await self._read_once():
                     self._bus_ok()
                 backoff = self.config.backoff_min
             except BusError as exc:
@@ -345,18 +345,16 @@ class Consumer:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.backoff_max)
 
-    async def _read_once(self) -> int | None:
-        """One XREAD over every worker's stream: the entries it returned, None if no
-        worker had a stream to read."""
+    async def _read_once(self) -> bool:
+        """One XREAD over every worker's stream; False if there was nothing to read."""
         positions = {w: c.stream_id for w, c in self.applier.cursors.items() if w in self._infos}
         if not positions:
             self._wake.clear()
             await wait_event(self._wake, self.config.block_ms / 1000)
-            return None
+            return False
         reads = await self.bus.read(positions, self.config.read_count, self.config.block_ms)
         self.stats.reads += 1
-        n = sum(len(r.entries) for r in reads)
-        self.stats.entries_read += n
+        self.stats.entries_read += sum(len(r.entries) for r in reads)
         hook = self._on_entry
         for i, r in enumerate(reads):
             if i:
@@ -376,7 +374,7 @@ class Consumer:
                 elif result in (Applied.GAP, Applied.CORRUPT):
                     self._pending.add(r.worker)
                     break
-        return n
+        return True
 
     def _mismatch(self, worker: str, entry: Entry) -> None:
         """The index disagrees with the agent's digest: stop applying, resync from snapshot."""

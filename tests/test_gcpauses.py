@@ -3,6 +3,7 @@ processes write, and its summary."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def _thresholds(tmp_path: Path, value: str, *argv: str) -> subprocess.CompletedP
 
 
 def test_the_threshold_is_set_in_a_gateway_process_only(tmp_path: Path) -> None:
-    default = " ".join(map(str, __import__("gc").get_threshold()))
+    default = " ".join(map(str, gc.get_threshold()))
     assert _thresholds(tmp_path, "10000", "gateway").stdout.split() == ["10000", "10", "10"]
     assert _thresholds(tmp_path, "5000,5,7", "gateway", "--config", "x").stdout.split() == [
         "5000",
@@ -86,6 +87,6 @@ def test_a_bad_threshold_is_refused_with_its_value(tmp_path: Path) -> None:
         assert run.returncode != 0
         assert f"KVROUTE_GC_GATEWAY_THRESHOLD={bad!r}" in run.stderr
     # set but empty: as if unset
-    default = " ".join(map(str, __import__("gc").get_threshold()))
+    default = " ".join(map(str, gc.get_threshold()))
     run = _thresholds(tmp_path, "", "gateway")
     assert run.returncode == 0 and run.stdout.strip() == default

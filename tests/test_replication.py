@@ -460,7 +460,7 @@ def test_idle_workers_without_a_shared_prefix_are_warmed_in_a_cold_pool() -> Non
     """Each request prefers the prefix's busy holder (a decode step riding along its
     prefill) to an idle worker that would recompute the 512 tokens, and a prefix that short
     needs one holder for its compute: without ``warm_idle`` the other workers are never sent
-    anything. With it (``warm_idle``, the default), in a cold pool, an idle non-holder is warmed with the
+    anything. With it (the default), in a cold pool, an idle non-holder is warmed with the
     prefix (one per request, never the same one twice), and the index counts it a holder
     from then on (speculated), so the next requests take the warmed workers, idle holders."""
     r, ds = _shared_prefix_stream(5000)  # the default: on

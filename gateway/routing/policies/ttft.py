@@ -98,8 +98,8 @@ the cluster into a collapse it did not leave (docs/benchmarks.md, "Open-loop tur
 onset"). A conversation's own prefix (a low rate) never replicates; one
 system prompt on every request at a high rate ends up on every worker.
 
-``warm_idle`` (on by default) adds holders for a reason
-the demand's compute does not show: in a cold pool (recent reuse below ``cold_reuse``), a sustained prefix (not a burst)
+``warm_idle`` (on by default) adds holders for a reason the demand's compute does not
+show: in a cold pool (recent reuse below ``cold_reuse``), a sustained prefix (not a burst)
 whose holders are all busy is warmed onto an idle worker that lacks it, one per request
 while any such worker is left. On long, mostly cold prompts sharing one short prefix (the
 ``trace-production`` preset: 512 shared tokens of ~12,000) every request prefers a holder
