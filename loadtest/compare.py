@@ -59,6 +59,7 @@ from loadtest.clustersim import (
 )
 from loadtest.driver import DriverConfig, balance, run_load, summarize
 from loadtest.harness import post_json
+from loadtest.paired import LEVEL, RESAMPLES, versus
 from loadtest.peers import (
     HISTORICAL_NOTE,
     PEERS,
@@ -799,6 +800,7 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
                     break  # the peer is not installed: no point in the other loads
             report["capacity_at_slo"][system] = runner.capacity_at_slo(system, rows)
             _write_report(report, out)
+    report["versus"] = versus(results, "kvroute")
     try:
         from loadtest.plots import compare_plots
 
@@ -1013,6 +1015,11 @@ class _Runner:
             "index_precision": precision,
             "warmup_s": round(warmup, 1),
             "ttfts_ms": ttfts,
+            # by request (the window's index; None: failed), so that systems pair up
+            "ttft_by_request_ms": [
+                [r.index, round(r.ttft * 1000, 2) if r.ok and r.ttft is not None else None]
+                for r in sorted(measured, key=lambda r: r.index)
+            ],
         }
 
 
@@ -1122,6 +1129,38 @@ COLUMNS = {
 }
 
 
+VERSUS_NOTE = (
+    f"kvroute's TTFT quantile over each system's, on the requests both served, with the "
+    f"{LEVEL:.0%} interval of a paired bootstrap ({RESAMPLES:,} resamplings of the requests): "
+    "**lower** / **higher** when the whole interval is below / above 1, *level* when it "
+    "holds 1 (this window cannot tell the two apart)"
+)
+
+
+def _versus_markdown(rows: list[dict[str, Any]]) -> str:
+    def cell(r: dict[str, Any] | None) -> str:
+        if r is None:
+            return "too few requests"
+        if r["low"] is None:
+            return f"{r['ratio']:.3f} (too few requests past it for an interval)"
+        word = r["verdict"] if r["verdict"] == "level" else f"**{r['verdict']}**"
+        return f"{r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}] {word}"
+
+    if not rows:
+        return ""
+    table = [
+        {
+            "load": r["load"],
+            "against": r["system"],
+            "requests": r.get("pairs", ""),
+            "p50 ratio [interval]": cell(r["p50"]),
+            "p99 ratio [interval]": cell(r["p99"]),
+        }
+        for r in rows
+    ]
+    return f"\n{VERSUS_NOTE}:\n\n" + format_table(table, markdown=True) + "\n"
+
+
 def markdown(report: dict[str, Any]) -> str:
     def cells(r: dict[str, Any]) -> dict[str, Any]:
         row = {col: r.get(key, "") for col, key in COLUMNS.items()}
@@ -1150,6 +1189,7 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     if precision:  # Q8: predicted-cached tokens the engines reported reused
         text += "\nIndex precision (Q8, ≥ 0.98): " + "; ".join(precision) + "\n"
+    text += _versus_markdown(report.get("versus") or [])
     slo = report.get("capacity_at_slo") or {}
     if slo:
         rows = []

@@ -93,6 +93,9 @@ def compare_plots(report: dict[str, Any], out: Path) -> list[str]:
         ax.grid(True, axis="y", alpha=0.3)
         files.append(_save(fig, out / "capacity_at_slo.png"))
 
+    if report.get("versus"):
+        files.append(_versus_plot(report["versus"], out / "kvroute_vs_systems.png"))
+
     for key, title, fname in (
         ("hit_rate", "prefix-cache hit rate per worker", "hit_rate_per_worker.png"),
         ("requests", "requests per worker", "load_per_worker.png"),
@@ -128,6 +131,32 @@ def compare_plots(report: dict[str, Any], out: Path) -> list[str]:
         ax.grid(True, axis="y", alpha=0.3)
         files.append(_save(fig, out / fname))
     return files
+
+
+def _versus_plot(rows: list[dict[str, Any]], path: Path) -> str:
+    """kvroute's p50 and p99 TTFT over each system's per load, with the paired intervals."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharex=True)
+    names = list(dict.fromkeys(r["system"] for r in rows))
+    for tag, ax in zip(("p50", "p99"), axes, strict=True):
+        for k, name in enumerate(names):
+            pts = [(r["load"], r[tag]) for r in rows if r["system"] == name and r[tag]]
+            if not pts:
+                continue
+            xs = [x + (k - (len(names) - 1) / 2) * 0.008 for x, _ in pts]  # side by side
+            ys = [q["ratio"] for _, q in pts]
+            # no bar where there is no interval (too few requests past the quantile)
+            err = [
+                [q["ratio"] - q["low"] if q["low"] is not None else 0.0 for _, q in pts],
+                [q["high"] - q["ratio"] if q["high"] is not None else 0.0 for _, q in pts],
+            ]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"vs {name}")
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xlabel("offered load (fraction of the policy-neutral capacity)")
+        ax.set_ylabel(f"kvroute {tag} TTFT / system's (below 1: kvroute faster)")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("kvroute against each system on the same requests (95% paired intervals)")
+    return _save(fig, path)
 
 
 def _save(fig: Any, path: Path) -> str:

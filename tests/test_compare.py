@@ -231,7 +231,7 @@ def test_compare_runs_kvroute_and_the_peers_on_one_cluster(
     assert list(rows) == systems
     window = report["offline_reference"]["bound_windows"]["0.5"]
     stream = Stream(make_workload("shared_prefix", seed=0, **SHARED), "completion")
-    items, _ = stream.window(6.0, 4.0)
+    items, warmup = stream.window(6.0, 4.0)
     for r in rows.values():
         assert "error" not in r, r
         assert r["failed"] == 0 and r["requests"] > 10 and r["load"] == 0.5 and r["rate"] == 6.0
@@ -261,6 +261,20 @@ def test_compare_runs_kvroute_and_the_peers_on_one_cluster(
     )
     assert report["plots"] and all(Path(p).stat().st_size > 0 for p in report["plots"])
     assert any(p.endswith("capacity_at_slo.png") for p in report["plots"])
+    # kvroute against each peer on the same requests, paired by request
+    versus = {v["system"]: v for v in on_disk["versus"]}
+    assert set(versus) == set(systems[1:])
+    for name, v in versus.items():
+        assert v["load"] == 0.5 and v["pairs"] == rows["kvroute"]["requests"]
+        p50 = v["p50"]
+        assert p50["ratio"] == pytest.approx(
+            rows["kvroute"]["ttft_p50_ms"] / rows[name]["ttft_p50_ms"], rel=1e-3
+        )
+        assert p50["low"] <= p50["ratio"] <= p50["high"]
+    measured = [it.index for it in items if it.at >= warmup]
+    assert [i for i, _ in rows["kvroute"]["ttft_by_request_ms"]] == measured
+    assert "paired bootstrap" in md and "| 0.5  | smg-round_robin " in md
+    assert any(p.endswith("kvroute_vs_systems.png") for p in report["plots"])
 
 
 def test_a_failing_system_is_recorded_and_the_others_still_run(
