@@ -101,6 +101,28 @@ def test_twins_have_one_shape_and_different_words() -> None:
     assert body["stream"] is True and body["model"] == "m" and body["messages"] == conv.messages
 
 
+def test_completion_mode_sends_one_shared_prefix_and_a_new_question_each_time() -> None:
+    """--mode completion: Q3's requests. Every conversation (twins too) has the same
+    prefix; a turn replaces the question, so the prompt stays the same length; the body is a
+    /v1/completions body."""
+    args = _args(mode="completion", conversations=4, direct_every=2, prompt_tokens=300,
+                 user_tokens=20)  # fmt: skip
+    twins, solos = gw._make_conversations(args, ["http://w0"], "s", 99)
+    convs = [c for p in twins + solos for c in (p.routed, p.direct) if c is not None]
+    assert len(convs) == 6 and len({c.prefix for c in convs}) == 1
+    prefix = convs[0].prefix
+    assert prefix is not None and len(prefix.split()) == 300
+    assert len({c.messages[-1]["content"] for c in convs}) == 6  # each its own question
+    conv = convs[0]
+    first = json.loads(gw._body("m", conv, 8))
+    gw._next_turn(conv, " the the", args.user_tokens)
+    second = json.loads(gw._body("m", conv, 8))
+    assert "messages" not in first and first["stream"] is True and first["model"] == "m"
+    for body in (first, second):
+        assert body["prompt"].startswith(prefix) and len(body["prompt"].split()) == 320
+    assert first["prompt"] != second["prompt"] and len(conv.messages) == 1
+
+
 def test_chats_grow_through_the_prompt_size() -> None:
     args = _args()  # the full size: 100 req/s, 48 conversations, 21 s per phase
     runner = gw.P5Runner(args, ["http://w"], "m", session=None)  # type: ignore[arg-type]
@@ -227,6 +249,30 @@ def test_smoke(capsys: pytest.CaptureFixture[str]) -> None:
 
     rows = {row["system"]: row for row in r["table"]}
     assert set(rows) == set(systems)
+
+
+def test_smoke_completion_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    """--mode completion through kvroute: twin pairs on /v1/completions, every request a
+    new question after the shared prefix, which the engine has cached for both twins."""
+    parser = argparse.ArgumentParser()
+    benchmarks.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "gateway", "--json", "--mode", "completion", "--prompt-tokens", "2000",
+            "--user-tokens", "50", "--duration", "2", "--rate", "10", "--warmup", "0.3",
+            "--rounds", "1", "--conversations", "4", "--throughput-seconds", "0",
+            "--tokenize-repeats", "0", "--systems", gw.KVROUTE, "--stall-seconds", "0",
+        ]
+    )  # fmt: skip
+    benchmarks.run(args)
+    r: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert r["config"]["mode"] == "completion"
+    s = r["systems"][gw.KVROUTE]
+    assert s["errors"] == 0 and s["pairs"] >= 5, s
+    # the 2,000-word prefix and a 50-word question: the same size every time
+    assert 2000 < s["prompt_tokens_min"] <= s["prompt_tokens_max"] < 2100
+    assert s["cached_fraction_routed"] > 0.9 and s["cached_fraction_direct"] > 0.9
+    assert math.isfinite(s["added_p50_ms"])
 
 
 def test_smoke_stall_and_gateway_processes(capsys: pytest.CaptureFixture[str]) -> None:

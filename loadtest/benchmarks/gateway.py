@@ -108,6 +108,7 @@ T = TypeVar("T")
 CONFIG_KEYS = (
     "rate", "duration", "warmup", "rounds", "conversations", "direct_every", "prompt_tokens",
     "user_tokens", "max_tokens", "workers", "speedup", "kv_blocks", "seed", "gateway_processes",
+    "mode",
 )  # fmt: skip
 
 _encode = msgspec.json.encode
@@ -127,6 +128,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=2,
         help="one arrival in N is a twin pair (routed + direct), the others routed alone: the "
         "worker serves rate x (1 + 1/N) requests/s",
+    )
+    a(
+        "--mode",
+        choices=("chat", "completion"),
+        default="chat",
+        help="chat: multi-turn chats growing through --prompt-tokens (P5); completion: Q3's "
+        "requests, one --prompt-tokens-word prefix shared by all and a new --user-tokens "
+        "question each, on /v1/completions",
     )
     a("--prompt-tokens", type=int, default=8000, help="chat size the conversations grow through")
     a("--user-tokens", type=int, default=32, help="words in each new user message")
@@ -226,15 +235,19 @@ class Sample:
     error: str = ""
 
 
-async def _stream_chat(session: aiohttp.ClientSession, url: str, body: bytes, kind: str) -> Sample:
-    """POST a streamed chat; TTFT is the first SSE chunk (the engine sends none before its
-    first token); the reply text and the usage chunk are collected from the rest."""
+async def _stream_chat(
+    session: aiohttp.ClientSession, url: str, body: bytes, kind: str, completion: bool = False
+) -> Sample:
+    """POST a streamed chat (``completion``: a completion); TTFT is the first SSE chunk with
+    text (the engine sends none before its first token); the reply text and the usage chunk
+    are collected from the rest."""
     out = Sample(kind)
     parts: list[str] = []
+    marker = b'"text"' if completion else b'"content"'
     t0 = time.perf_counter()
     try:
         async with session.post(
-            url + "/v1/chat/completions",
+            url + ("/v1/completions" if completion else "/v1/chat/completions"),
             data=body,
             headers={"content-type": "application/json"},
         ) as resp:
@@ -245,14 +258,17 @@ async def _stream_chat(session: aiohttp.ClientSession, url: str, body: bytes, ki
             async for line in resp.content:
                 if not line.startswith(b"data:"):
                     continue
-                if math.isnan(out.ttft) and b'"content"' in line:
+                if math.isnan(out.ttft) and marker in line:
                     out.ttft = time.perf_counter() - t0
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     continue  # read on to the end: the connection goes back to the pool
                 chunk = _decode(data)
                 for choice in chunk.get("choices") or ():
-                    parts.append((choice.get("delta") or {}).get("content") or "")
+                    if completion:
+                        parts.append(choice.get("text") or "")
+                    else:
+                        parts.append((choice.get("delta") or {}).get("content") or "")
                 usage = chunk.get("usage")
                 if usage:
                     out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
@@ -275,6 +291,8 @@ class Conversation:
     messages: list[dict[str, str]]
     rng: random.Random
     home: str = ""  # the worker URL it lives on, when known
+    #: --mode completion: the shared prefix; each request is it + the last user message
+    prefix: str | None = None
 
 
 @dataclass
@@ -316,6 +334,7 @@ def _make_conversations(
     then its own history; twins have the same lengths and different words."""
     shared = random.Random(f"{seed}-system")
     system_prompt = _text(shared, 200)  # a short shared head, as real deployments have
+    hot = _text(shared, args.prompt_tokens) if args.mode == "completion" else None
     n_twins = max(1, math.ceil(args.conversations / max(1, args.direct_every)))
     twins: list[TwinPair] = []
     solos: list[TwinPair] = []
@@ -325,6 +344,10 @@ def _make_conversations(
         for twin in ("a", "b") if i < n_twins else ("a",):
             rng = random.Random(f"{seed}-{i}-{twin}")
             history = _text(rng, max(1, start_words - 200 - int(shape * 100)))
+            if hot is not None:  # one prefix for every request, a new question each
+                question = {"role": "user", "content": _text(rng, args.user_tokens)}
+                convs.append(Conversation([question], rng, prefix=hot))
+                continue
             convs.append(
                 Conversation(
                     [
@@ -342,10 +365,14 @@ def _make_conversations(
 
 
 def _body(model: str, conv: Conversation, max_tokens: int) -> bytes:
+    if conv.prefix is not None:
+        prompt: dict[str, Any] = {"prompt": conv.prefix + conv.messages[-1]["content"]}
+    else:
+        prompt = {"messages": conv.messages}
     return _encode(
         {
             "model": model,
-            "messages": conv.messages,
+            **prompt,
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -356,6 +383,9 @@ def _body(model: str, conv: Conversation, max_tokens: int) -> bytes:
 
 
 def _next_turn(conv: Conversation, reply: str, user_tokens: int) -> None:
+    if conv.prefix is not None:  # a completion: the same prefix, a new question
+        conv.messages[-1] = {"role": "user", "content": _text(conv.rng, user_tokens)}
+        return
     conv.messages.append({"role": "assistant", "content": reply})
     conv.messages.append({"role": "user", "content": _text(conv.rng, user_tokens)})
 
@@ -396,7 +426,11 @@ class P5Runner:
         async def one(pair: TwinPair) -> None:
             async with sem:
                 s = await _stream_chat(
-                    self.session, phase.url, _body(self.model, pair.routed, a.max_tokens), "routed"
+                    self.session,
+                    phase.url,
+                    _body(self.model, pair.routed, a.max_tokens),
+                    "routed",
+                    pair.routed.prefix is not None,
                 )
                 if s.error:
                     raise RuntimeError(f"{phase.system}: opening turn failed: {s.error}")
@@ -409,6 +443,7 @@ class P5Runner:
                     self._direct_target(pair),
                     _body(self.model, pair.direct, a.max_tokens),
                     "direct",
+                    pair.direct.prefix is not None,
                 )
                 if d.error:
                     raise RuntimeError(f"direct opening turn failed: {d.error}")
@@ -443,7 +478,7 @@ class P5Runner:
             in_flight += 1
             phase.in_flight.append(in_flight)
             try:
-                return await _stream_chat(self.session, target, body, kind)
+                return await _stream_chat(self.session, target, body, kind, conv.prefix is not None)
             finally:
                 in_flight -= 1
 
