@@ -152,7 +152,7 @@ def _versus_plot(rows: list[dict[str, Any]], path: Path) -> str:
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"vs {name}")
         ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
         ax.set_xlabel("offered load (fraction of the policy-neutral capacity)")
-        ax.set_ylabel(f"kvroute {tag} TTFT / system's (below 1: kvroute faster)")
+        ax.set_ylabel(f"{tag} TTFT, kvroute / system (< 1: kvroute faster)")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("kvroute against each system on the same requests (95% paired intervals)")
