@@ -735,7 +735,6 @@ def build_app(gw: Gateway) -> web.Application:
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
-    app["gateway"] = gw
     return app
 
 
