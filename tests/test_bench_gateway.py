@@ -267,6 +267,7 @@ def test_smoke_completion_mode(capsys: pytest.CaptureFixture[str]) -> None:
     benchmarks.run(args)
     r: dict[str, Any] = json.loads(capsys.readouterr().out)
     assert r["config"]["mode"] == "completion"
+    assert "P5's bounds applied to completions" in r["targets_note"]
     s = r["systems"][gw.KVROUTE]
     assert s["errors"] == 0 and s["pairs"] >= 5, s
     # the 2,000-word prefix and a 50-word question: the same size every time

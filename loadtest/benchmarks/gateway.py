@@ -343,11 +343,11 @@ def _make_conversations(
         convs = []
         for twin in ("a", "b") if i < n_twins else ("a",):
             rng = random.Random(f"{seed}-{i}-{twin}")
-            history = _text(rng, max(1, start_words - 200 - int(shape * 100)))
             if hot is not None:  # one prefix for every request, a new question each
                 question = {"role": "user", "content": _text(rng, args.user_tokens)}
                 convs.append(Conversation([question], rng, prefix=hot))
                 continue
+            history = _text(rng, max(1, start_words - 200 - int(shape * 100)))
             convs.append(
                 Conversation(
                     [
@@ -846,6 +846,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         targets_note = f"checks against smg fail: {reason}"
     else:
         targets_note = ""
+    if args.mode == "completion":  # P5 is worded for chats: its bounds, on other requests
+        targets_note = "; ".join(
+            filter(None, [targets_note, "P5's bounds applied to completions (P5 is on chats)"])
+        )
 
     result: dict[str, Any] = {
         "benchmark": NAME,
