@@ -29,6 +29,9 @@ MIN_PAIRS = 10
 MIN_TAIL = 5
 RESAMPLES = 2000
 LEVEL = 0.95
+#: resampled TTFTs held at once (~8 MB per array): a window of 20,000 requests would
+#: otherwise hold 2,000 x 20,000 of them twice over
+_CELLS = 1_000_000
 
 Verdict = Literal["lower", "higher", "level", "no interval"]
 
@@ -86,10 +89,14 @@ def paired_ratio(
     ratio = round(float(np.percentile(xy[:, 0], q * 100) / np.percentile(xy[:, 1], q * 100)), 4)
     if n * min(q, 1.0 - q) < MIN_TAIL:
         return QuantileRatio(q, ratio, None, None, n)
-    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
-    qa = np.percentile(xy[idx, 0], q * 100, axis=1)
-    qb = np.percentile(xy[idx, 1], q * 100, axis=1)
-    ratios = qa / qb
+    rng = np.random.default_rng(seed)
+    step = max(1, _CELLS // n)  # resamplings at a time: memory bounded for long windows
+    parts = []
+    for start in range(0, resamples, step):
+        idx = rng.integers(0, n, size=(min(step, resamples - start), n))
+        qa = np.percentile(xy[idx, 0], q * 100, axis=1)
+        parts.append(qa / np.percentile(xy[idx, 1], q * 100, axis=1))
+    ratios = np.concatenate(parts)
     tail = (1.0 - level) / 2 * 100
     low, high = np.percentile(ratios, [tail, 100 - tail])
     return QuantileRatio(q, ratio, round(float(low), 4), round(float(high), 4), n)
