@@ -99,6 +99,16 @@ class PoolSettings:
     #: thread (``encode_batch`` releases the GIL), so one cold prompt cannot stall the other
     #: requests; 0 encodes everything on the event loop (``kvroute bench gateway --stall``)
     tokenize_thread_chars: int = 8_192
+    #: a completion prompt whose uncached text has at least this many characters is routed on
+    #: its ids before that text (its cached pieces: a known prefix) while the text is encoded
+    #: on a worker thread, so the encode overlaps routing and sending; the exact ids still
+    #: decide the context-length check (before the first byte reaches the client), the keys
+    #: and the speculative insert. 0 (or ``tokenize_thread_chars: 0``): every prompt is
+    #: encoded before it is routed
+    tokenize_overlap_chars: int = 512
+    #: ... and only when that uncached text is at most this fraction of the prompt's tokens
+    #: (estimated), which bounds what the decision can miss: a worker's match on that text
+    tokenize_overlap_fraction: float = 0.125
     static_workers: list[StaticWorker] = field(default_factory=list)
     #: LoRA adapters every worker of the pool serves (engines started with the same
     #: ``--lora-modules``); a request names one as its ``model``. Workers also register the
@@ -265,6 +275,10 @@ class GatewayConfig:
                 raise ConfigError(f"pools.{i}.block_size: must be >= 1")
             if p.tokenize_thread_chars < 0:
                 raise ConfigError(f"pools.{i}.tokenize_thread_chars: must be >= 0")
+            if p.tokenize_overlap_chars < 0:
+                raise ConfigError(f"pools.{i}.tokenize_overlap_chars: must be >= 0")
+            if not 0.0 <= p.tokenize_overlap_fraction <= 1.0:
+                raise ConfigError(f"pools.{i}.tokenize_overlap_fraction: must be in [0, 1]")
             if p.max_model_len < 1:
                 raise ConfigError(f"pools.{i}.max_model_len: must be >= 1")
         self.redis.validate()

@@ -246,9 +246,15 @@ class GatewayMetrics:
         )
         self.tokenize = Histogram(
             "kvroute_tokenization_seconds",
-            "Tokenization time per request",
+            "Tokenization time per request, on its path (overlapped: until it can be routed)",
             ["pool", "kind"],
             buckets=(*_FAST, 0.25, 1.0),
+            registry=r,
+        )
+        self.tokenize_overlapped = Counter(
+            "kvroute_tokenization_overlapped_total",
+            "Prompts routed on their known first ids while their new text was encoded",
+            ["pool"],
             registry=r,
         )
         self.cost_scale = Gauge(

@@ -5,19 +5,26 @@ will see (chat template + tokenizer, with the incremental cache) and their canon
 keys — or a 4xx for input the engine would reject. The keys are lazy (``LazyKeys``): routing
 computes them as far as the index's match reaches, and ``settle`` computes the rest (for
 speculation and the prefix-key cache) once the request is on its way.
+
+A completion prompt whose new text is a small part of it can be routed before that text is
+encoded (``PoolSettings.tokenize_overlap_chars``): ``prepare`` returns its known first ids,
+the rest is encoded on a worker thread while the request is routed and sent, and
+``Prepared.ready`` (awaited before the first byte reaches the client) gives the exact ids, or
+the error the exact ids call for.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.config import PoolSettings
-from gateway.errors import bad_request
+from gateway.errors import ApiError, bad_request
 from gateway.requests import ClientRequest, too_long
 from gateway.routing.adapters import AdapterCatalog
 from gateway.routing.costmodel import CostModel
@@ -25,7 +32,13 @@ from gateway.routing.index import ShadowIndex
 from gateway.routing.keys import BlockKeyer, LazyKeys, PrefixKeys
 from gateway.routing.policy import make_policy
 from gateway.routing.router import Router
-from gateway.tokenization import ChatIds, TokenizationError, Tokenizer, normalize_messages
+from gateway.tokenization import (
+    ChatIds,
+    PromptPlan,
+    TokenizationError,
+    Tokenizer,
+    normalize_messages,
+)
 from gateway.warmup import Warmer
 
 log = logging.getLogger(__name__)
@@ -46,8 +59,27 @@ class Prepared:
     body: bytes | None = None
     #: the LoRA adapter asked for (``keys`` are on its chain), None for the base model
     adapter: str | None = None
-    #: the prompt's token ids (a warm-up sends a prefix of them: ``settle``)
+    #: the prompt's token ids (a warm-up sends a prefix of them: ``settle``); while ``rest``
+    #: runs, its known first ids (``prompt_tokens`` is then an estimate)
     ids: Sequence[int] = ()
+    #: the encode of the rest of the prompt (an overlapped prompt), None otherwise
+    rest: asyncio.Task[None] | None = None
+    #: what the exact ids call for (a prompt too long, text the tokenizer rejects)
+    error: ApiError | None = None
+    #: (worker, time) of decisions made on the known ids: ``rest`` speculates the rest there
+    routes: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def pending(self) -> bool:
+        """Still routed on known first ids: the rest of them is being encoded."""
+        return self.rest is not None and not self.rest.done()
+
+    async def ready(self) -> None:
+        """Wait for the exact ids (an overlapped prompt); raise the error they call for."""
+        if self.rest is not None:
+            await asyncio.shield(self.rest)  # a cancelled request leaves the encode to finish
+        if self.error is not None:
+            raise self.error
 
 
 class Pool:
@@ -123,9 +155,13 @@ class Pool:
                 self.warmer.submit(self, intent, prep.ids[: intent.tokens])
         prep.keys.all()
 
-    async def prepare(self, req: ClientRequest, adapter: str | None = None) -> Prepared:
+    async def prepare(
+        self, req: ClientRequest, adapter: str | None = None, overlap: bool = False
+    ) -> Prepared:
         """Token ids and keys; an ``adapter`` request is tokenized like the base model (the
-        adapter shares its tokenizer and template) and keyed on the adapter's chain."""
+        adapter shares its tokenizer and template) and keyed on the adapter's chain.
+        ``overlap``: a completion prompt may come back routable on its known first ids, the
+        rest being encoded (see the module's docstring); the caller awaits ``ready``."""
         t0 = time.perf_counter()
         tok = self.tokenizer
         body: bytes | None = None
@@ -154,7 +190,13 @@ class Pool:
             else:
                 assert req.prompt_text is not None
                 # vLLM completions and SGLang /generate both encode text with special tokens
-                chat = ChatIds(await tok.aencode(req.prompt_text, add_special_tokens=True))
+                planned = tok.plan_prompt(req.prompt_text, add_special_tokens=True)
+                if planned is None:
+                    chat = ChatIds(await tok.aencode(req.prompt_text, add_special_tokens=True))
+                elif overlap and self._overlaps(planned, req.max_tokens):
+                    return self._overlapped(planned, req.max_tokens, adapter, t0)
+                else:
+                    chat = ChatIds(await tok.aencode_planned(planned))
         except TokenizationError as exc:
             raise bad_request(
                 str(exc),
@@ -173,3 +215,64 @@ class Pool:
         root = self.keyer.adapter_root(adapter)
         keys = self.prefix_keys.lazy(ids, chat.reused, chat.remembered, root)
         return Prepared(len(ids), keys, t1 - t0, time.perf_counter() - t1, body, adapter, ids)
+
+    def _overlaps(self, planned: PromptPlan, max_tokens: int | None) -> bool:
+        """Whether to route ``planned`` on its known ids: enough new text to be worth a
+        thread, little enough of the prompt that the decision misses at most a small match,
+        a whole block known, no pair to route (a decode router) and, by the estimate, within
+        the context (a prompt that may not fit is checked exactly before it is sent)."""
+        s = self.settings
+        unknown = planned.estimate - planned.known
+        return (
+            s.tokenize_overlap_chars > 0
+            and s.tokenize_thread_chars > 0
+            and planned.missing_chars >= s.tokenize_overlap_chars
+            and unknown <= s.tokenize_overlap_fraction * planned.estimate
+            and planned.known >= s.block_size
+            and not self.disaggregated
+            and too_long(planned.estimate, max_tokens, s.max_model_len) is None
+        )
+
+    def _overlapped(
+        self, planned: PromptPlan, max_tokens: int | None, adapter: str | None, t0: float
+    ) -> Prepared:
+        t1 = time.perf_counter()
+        known = planned.known_ids()
+        keys = LazyKeys(self.keyer, known, self.keyer.adapter_root(adapter))
+        prep = Prepared(planned.estimate, keys, t1 - t0, 0.0, None, adapter, known)
+        prep.rest = asyncio.get_running_loop().create_task(
+            self._finish(prep, planned, max_tokens), name="kvroute-tokenize-rest"
+        )
+        return prep
+
+    async def _finish(self, prep: Prepared, planned: PromptPlan, max_tokens: int | None) -> None:
+        """The rest of an overlapped prompt: its exact ids, checked as ``prepare`` checks them,
+        and its keys and the speculative inserts of the decisions made so far completed."""
+        try:
+            ids = await self.tokenizer.aencode_planned(planned, thread=True)
+        except TokenizationError as exc:
+            prep.error = bad_request(str(exc), param="prompt", code="invalid_prompt")
+            return
+        except UnicodeError as exc:
+            prep.error = bad_request(f"prompt is not valid text: {exc}", code="invalid_prompt")
+            return
+        except Exception:  # the request still gets an answer, and the task no stray error
+            log.exception("pool %s: encoding the rest of a prompt failed", self.name)
+            prep.error = ApiError(
+                500, "tokenization failed", "internal_error", code="internal_error"
+            )
+            return
+        prep.error = too_long(len(ids), max_tokens, self.settings.max_model_len)
+        if prep.error is not None:  # the engine is not to hold what it will reject
+            return
+        index = self.router.index
+        index.settle()  # inserts pending on the known keys go first; the rest once, below
+        keys = prep.keys
+        start = len(keys)
+        keys.extend(ids)
+        prep.ids, prep.prompt_tokens = ids, len(ids)
+        if start < len(keys) and self.router.speculate:
+            live = set(index.workers())
+            for worker, now in prep.routes:
+                if worker in live:  # not removed meanwhile
+                    index.speculate(worker, keys, now, start=start)

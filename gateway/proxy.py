@@ -272,6 +272,8 @@ class Proxy:
         if inject_usage:
             body = _with_usage(body, creq)
         headers = self._upstream_headers(request)
+        if prep.rest is not None and pool.disaggregated:  # a decode worker registered since
+            await prep.ready()  # a pair is routed and counted on the exact ids
         tried: set[str] = set(skip)
         last: _Retry | None = None
         for attempt in range(s.max_retries + 1):
@@ -300,6 +302,8 @@ class Proxy:
             except NoCandidates:
                 break
             self.metrics.decision.labels(pool.name).observe(time.perf_counter() - t0)
+            if prep.pending:  # decided on the known ids: the rest is speculated there too
+                prep.routes.append((decision.worker, now))
             asyncio.get_running_loop().call_soon(pool.settle, prep)  # once forwarded
             try:
                 if decode is not None:
@@ -401,6 +405,8 @@ class Proxy:
                 now = self.clock()
                 router.first_token(ticket, now)
                 ws.ttft.observe(now - ticket.sent_at)
+                if prep.rest is not None:  # the exact ids (encoded meanwhile) decide
+                    await prep.ready()
                 m.requests.labels(pool.name, wid, decision.reason).inc()
                 ws.prompt_tokens.inc(prep.prompt_tokens)
                 ws.matched_tokens.inc(decision.matched_tokens)
@@ -724,6 +730,7 @@ class Proxy:
                     self._count_usage(pool, wid, events.usage, request)
                     self.registry.on_success(wid)
                     await out.write_eof(data + events.flush())
+                    await _drain(content, self.settings.connect_timeout)
                     return out
                 if data:
                     await out.write(data)
@@ -918,6 +925,17 @@ async def _end_with_error(
     with contextlib.suppress(ConnectionError, RuntimeError):
         await out.write(stream_error(shape, message))
         await out.write_eof()
+
+
+async def _drain(content: aiohttp.StreamReader, seconds: float) -> None:
+    """Read a finished stream's body to its end (the chunked terminator follows the last
+    event), so its connection goes back to the pool instead of being closed: a stream that
+    stopped reading early cost the next request a new TCP connection. Bounded by ``seconds``:
+    a worker still sending after that has its connection closed, as before."""
+    with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
+        async with asyncio.timeout(seconds):
+            while await content.readany():
+                pass
 
 
 def _with_worker(exc: _Retry, worker: str) -> _Retry:

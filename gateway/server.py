@@ -435,9 +435,11 @@ class Gateway:
         pool = self._pool(creq.model)
         request[POOL] = pool.name
         skip = self._not_serving(pool, api)
-        prep = await pool.prepare(creq, pool.adapter_for(creq.model))
+        prep = await pool.prepare(creq, pool.adapter_for(creq.model), self._may_overlap(client))
         m = self.metrics
         m.tokenize.labels(pool.name, api.kind).observe(prep.tokenize_s + prep.keys_s)
+        if prep.rest is not None:
+            m.tokenize_overlapped.labels(pool.name).inc()
         self.rate_limit(client, prep.prompt_tokens + (creq.max_tokens or 0))
         if self.config.log.log_prompts:
             log.info(
@@ -458,6 +460,12 @@ class Gateway:
             )
         finally:
             self.admission.release()
+
+    def _may_overlap(self, client: _Client | None) -> bool:
+        """Whether a prompt may be routed before all of it is encoded (``Pool.prepare``): not
+        when a token rate limit needs its exact count first, nor when the request log records
+        decisions to be replayed on the exact keys."""
+        return (client is None or client.tokens.rate <= 0) and self.proxy.request_log is None
 
     def _not_serving(self, pool: Pool, api: Api) -> frozenset[str]:
         """Workers of ``pool`` whose engine lacks ``api`` (501 when that is all of them)."""

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, normalizers, pre_tokenizers, processors
 
-from gateway.tokenization import Tokenizer, bundled_test_tokenizer
+from gateway.tokenization import TokenizationError, Tokenizer, bundled_test_tokenizer
 from gateway.tokenization.chunking import Chunker, _outside_classes, unsafe_reason
 from gateway.tokenization.splitter import splitting_config
 
@@ -123,6 +123,52 @@ def test_shared_prefix_is_encoded_once(plain: tokenizers.Tokenizer) -> None:
     ids = tk.encode(second)
     assert ids == plain.encode(second).ids
     assert tk.stats.token_misses - before < 300 < len(ids) / 20
+
+
+@PROPERTY
+@given(parts=st.lists(texts, min_size=1, max_size=4), special=st.booleans())
+def test_a_planned_prompt_knows_a_prefix_of_its_ids_and_finishes_exactly(
+    small: Tokenizer, plain: tokenizers.Tokenizer, parts: list[str], special: bool
+) -> None:
+    """``plan_prompt``'s known ids (before the first uncached piece) are the first ids of the
+    plain encode, its estimate is exact when nothing is missing, and finishing the plan on a
+    worker thread gives the plain encode's ids."""
+    prompt = ""
+    for part in parts:
+        prompt += part
+        expected = plain.encode(prompt, add_special_tokens=special).ids
+        planned = small.plan_prompt(prompt, add_special_tokens=special)
+        assert planned is not None
+        known = planned.known_ids()
+        assert len(known) == planned.known and known == expected[: len(known)]
+        if not planned.missing_chars:
+            assert planned.estimate == len(expected) == planned.known
+        ids = asyncio.run(small.aencode_planned(planned, thread=True))
+        assert ids == expected
+
+
+def test_a_new_question_under_a_cached_document_is_planned_from_the_document(
+    plain: tokenizers.Tokenizer,
+) -> None:
+    """The gateway routes such a prompt on its known ids: they cover the document but its
+    last chunk, the new text is a few hundred characters, and the estimate (the new text at the ratio of
+    tokens to characters of what was encoded) is within 1% of the exact count."""
+    tk = load(1024)
+    words = ["alpha", "beta", "gamma", "delta", "kappa", "omega"]
+    document = "".join(" " + words[(i * 7) % 6] + ("s" if i % 3 == 0 else "") for i in range(6000))
+    tk.encode(document + " What is alpha?")
+    prompt = document + " Why is beta here at all? " + " ".join(["gamma"] * 100)
+    planned = tk.plan_prompt(prompt)
+    assert planned is not None
+    expected = plain.encode(prompt).ids
+    assert len(expected) - 300 < planned.known < len(expected) - 100
+    assert planned.known_ids() == expected[: planned.known]
+    assert 0 < planned.missing_chars < 2_000
+    unknown = len(expected) - planned.known  # estimated at the document's ratio
+    assert abs(planned.estimate - len(expected)) < min(unknown, 0.01 * len(expected))
+    assert tk.encode_planned(planned) == expected
+    with pytest.raises(TokenizationError, match="must be a string"):
+        tk.plan_prompt(["not", "text"])  # type: ignore[arg-type]
 
 
 # -- configurations --------------------------------------------------------------------------

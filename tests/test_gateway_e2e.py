@@ -132,6 +132,96 @@ def test_chat_and_completions_streaming_and_not(stack: Stack) -> None:
     assert [m.id for m in models.data] == [MODEL]
 
 
+def test_a_new_question_under_a_cached_document_is_routed_before_it_is_encoded(
+    stack: Stack,
+) -> None:
+    """Completions whose new text is a small part of the prompt are routed on the document's
+    ids while that text is encoded (``tokenize_overlap_chars``): they land on the document's
+    holder, the engine counts exactly the ids the gateway does, and a prompt whose exact count
+    (not its estimate) is past the context gets the gateway's 400."""
+    import tokenizers
+
+    plain = tokenizers.Tokenizer.from_file(stack.tokenizer_path())
+    c = client(stack)
+    document = text(71, 6000)
+    warm = c.completions.with_raw_response.create(
+        model=MODEL, prompt=document + " What is alpha?", max_tokens=2
+    )
+    holder = warm.headers["x-kvroute-worker"]
+    for seed, stream in ((72, False), (73, True)):
+        prompt = document + " " + text(seed, 150)
+        exact = len(plain.encode(prompt).ids)
+        if stream:
+            chunks = list(
+                c.completions.create(
+                    model=MODEL,
+                    prompt=prompt,
+                    max_tokens=3,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
+            usage = chunks[-1].usage
+        else:
+            r = c.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=3)
+            assert r.headers["x-kvroute-worker"] == holder
+            assert int(r.headers["x-kvroute-matched-tokens"]) >= 0.9 * (exact - 300)
+            usage = r.parse().usage
+        assert usage is not None and usage.prompt_tokens == exact
+    _, metrics = get(stack.gateway_urls[0] + "/metrics")
+    overlapped = [
+        float(line.split()[-1])
+        for line in metrics.decode().splitlines()
+        if line.startswith("kvroute_tokenization_overlapped_total{")
+    ]
+    assert sum(overlapped) >= 2  # both were routed before their new text was encoded
+    dense = document + " " + " ".join(f"{n}🙂" for n in range(200))
+    exact = len(plain.encode(dense).ids)
+    body = {"model": MODEL, "prompt": dense, "max_tokens": stack.config.max_model_len - exact + 8}
+    got, _, data = post(stack.gateway_urls[0] + "/v1/completions", json.dumps(body).encode())
+    err = json.loads(data)["error"]
+    assert got == 400 and err["code"] == "context_length_exceeded"
+    assert f"({exact} in the messages" in err["message"]
+
+
+def _open_tcp_ports_to(port: int) -> set[int]:
+    """Local ports of this machine's open TCP connections to ``port`` (/proc/net/tcp)."""
+    ports = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[2].split(":")[1], 16) == port and fields[3] == "01":
+            ports.add(int(fields[1].split(":")[1], 16))
+    return ports
+
+
+def test_streams_keep_their_worker_connection_alive(tmp_path: Path) -> None:
+    """A stream is relayed to its end and its upstream connection reused: a relay that stopped
+    reading at the last event closed the connection (when the body's end had not arrived with
+    it), and the next request paid a new one. Each stream's connection is seen while it
+    streams: the one the first request opened serves them all."""
+    from urllib.parse import urlsplit
+
+    with Stack(StackConfig(workers=1, speedup=50, log_dir=tmp_path)) as s:
+        port = urlsplit(s.worker_urls[0]).port
+        assert port is not None
+        c = client(s)
+        c.completions.create(model=MODEL, prompt=text(90, 20), max_tokens=2)
+        before = _open_tcp_ports_to(port)
+        used: set[int] = set()
+        for i in range(20):
+            stream = c.completions.create(
+                model=MODEL, prompt=text(91 + i, 20), max_tokens=24, stream=True
+            )
+            pieces = []
+            for chunk in stream:
+                if not pieces:  # mid-stream: the gateway's connection to the worker is open
+                    used |= _open_tcp_ports_to(port) - before
+                pieces.extend(ch.text for ch in chunk.choices)
+            assert "".join(pieces)
+        assert len(used) <= 1, f"{len(used)} new connections for 20 streams"
+
+
 def test_multi_turn_follow_ups_land_on_the_prefix_holder_and_hit_the_cache(stack: Stack) -> None:
     c = client(stack)
     msgs: list[dict[str, str]] = [{"role": "system", "content": text(10, 600)}]

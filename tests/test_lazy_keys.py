@@ -49,6 +49,32 @@ def test_lazy_keys_from_known_prefix(tokens: list[int], known: int) -> None:
     assert lazy.computed == known and lazy.all() == eager
 
 
+@given(token_lists, st.integers(0, 120), st.integers(0, 40), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_lazy_keys_extended_to_a_longer_prompt_equal_its_eager_keys(
+    tokens: list[int], cut: int, read: int, adapter: bool
+) -> None:
+    """Keys made from a prompt's first ids and extended to all of them (a prompt routed on its
+    known ids while the rest is encoded) are the eager keys of the whole prompt, however far
+    they were read before."""
+    root = KEYER.adapter_root("a") if adapter else None
+    first = tokens[: min(cut, len(tokens))]
+    lazy = LazyKeys(KEYER, first, root)
+    before = list(lazy.upto(read))
+    assert before == KEYER.keys(first, root)[: len(before)]
+    lazy.extend(tokens)
+    assert len(lazy) == len(tokens) // BS
+    assert lazy.all() == KEYER.keys(tokens, root) and list(lazy) == KEYER.keys(tokens, root)
+
+
+def test_lazy_keys_cannot_be_extended_to_fewer_blocks() -> None:
+    lazy = LazyKeys(KEYER, list(range(12)))
+    with pytest.raises(ValueError, match="fewer blocks"):
+        lazy.extend(list(range(7)))
+    lazy.extend(list(range(13)))  # same blocks: nothing to add
+    assert lazy.all() == KEYER.keys(list(range(12)))
+
+
 def test_prefix_keys_lazy_reuses_and_completes() -> None:
     memo = PrefixKeys(KEYER, 10_000)
     rng = random.Random(1)

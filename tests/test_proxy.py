@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from typing import Any, ClassVar
 
@@ -60,3 +61,43 @@ async def test_timed_resolver_answers_through_the_default_one() -> None:
         assert first["host"] == "127.0.0.1" and first["port"] == 80
     finally:
         await resolver.close()
+
+
+async def test_drain_reads_a_finished_stream_to_its_end_and_gives_up_on_a_trickle() -> None:
+    """After a stream's last event the proxy reads the body's end, so the connection is kept;
+    a worker that keeps the body open past ``timeout`` is left (its connection closed)."""
+    from aiohttp import web
+
+    from gateway.proxy import _drain
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: [DONE]\n\n")
+        if request.query["trickle"] == "1":
+            with contextlib.suppress(ConnectionResetError):  # the client leaves
+                for _ in range(100):  # more bytes now and then, never the end
+                    await asyncio.sleep(0.05)
+                    await resp.write(b": still here\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    loop = asyncio.get_running_loop()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for trickle in (False, True):
+                async with session.get(f"http://127.0.0.1:{port}/?trickle={int(trickle)}") as r:
+                    assert (await r.content.readany()).startswith(b"data: [DONE]")
+                    t0 = loop.time()
+                    await _drain(r.content, 0.3)
+                    took = loop.time() - t0
+                    assert r.content.at_eof() is not trickle
+                    assert (0.3 <= took < 2.0) if trickle else took < 0.3
+    finally:
+        await runner.cleanup()

@@ -461,6 +461,17 @@ class LazyKeys(Sequence[int]):
         if len(known) == self._n:
             self.tokens = ()
 
+    def extend(self, tokens: Tokens) -> None:
+        """The prompt turned out longer: ``tokens`` (which start with the ids these keys were
+        made from) are its ids now. Keys computed so far stay; the rest are computed from
+        ``tokens`` as read (the gateway routes on a prompt's known first ids while the rest
+        is encoded)."""
+        n = len(tokens) // self.keyer.block_size
+        if n < self._n:
+            raise ValueError("extend: fewer blocks than the keys already cover")
+        self._n = n
+        self.tokens = tokens if len(self._keys) < n else ()
+
     @property
     def computed(self) -> int:
         """Keys computed so far."""

@@ -12,19 +12,20 @@ The map, in the order a chat flows through it:
 | ``splitter`` | cutting rendered text at added tokens exactly as ``tokenizers`` does |
 | ``chunking`` | cutting the text between added tokens into chunks that encode alone (completion prompts, long messages) |
 | ``cache`` | the incremental id cache: pieces and remembered chat prefixes, one LRU by tokens |
-| ``tokenizer`` | ``Tokenizer``, the front: render, cut, look up, encode what is new |
+| ``tokenizer`` | ``Tokenizer``, the front: render, cut, look up, encode what is new; ``PromptPlan``, a prompt looked up and not yet encoded |
 | ``types`` | ``TokenizationError``, ``TokenizerStats``, ``ChatIds`` |
 """
 
 from gateway.tokenization.messages import normalize_messages, prepare_messages, prepare_tools
 from gateway.tokenization.template import TEMPLATES_DIR, bundled_templates, detect_content_format
-from gateway.tokenization.tokenizer import Tokenizer, bundled_test_tokenizer
+from gateway.tokenization.tokenizer import PromptPlan, Tokenizer, bundled_test_tokenizer
 from gateway.tokenization.types import ChatIds, ContentFormat, TokenizationError, TokenizerStats
 
 __all__ = [
     "TEMPLATES_DIR",
     "ChatIds",
     "ContentFormat",
+    "PromptPlan",
     "TokenizationError",
     "Tokenizer",
     "TokenizerStats",

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,41 @@ DEFAULT_THREAD_THRESHOLD_CHARS = 8_192
 # Text between added tokens is cut into chunks of about this many characters (~200 tokens of
 # English), the granularity at which prompts sharing a prefix share cached ids.
 DEFAULT_CHUNK_CHARS = 1_024
+
+
+# Before any text is encoded, uncached text is estimated at one token per this many characters.
+_PRIOR_CHARS_PER_TOKEN = 4
+_PRIOR_CHARS = 4_096
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    """A completion prompt cut and looked up, not yet encoded (:meth:`Tokenizer.plan_prompt`).
+
+    Its first ``known`` ids, up to its first uncached piece, are exact (:meth:`known_ids`): a
+    caller can act on them (the gateway routes on them) while :meth:`Tokenizer.aencode_planned`
+    encodes the rest. ``estimate`` is the whole prompt's count, exact but for the uncached
+    text, which is counted at this tokenizer's own ratio of tokens to characters so far;
+    ``missing_chars`` the characters still to encode."""
+
+    known: int
+    estimate: int
+    missing_chars: int
+    add_special_tokens: bool
+    plan: Plan
+    head: Ids = ()
+
+    def known_ids(self) -> list[int]:
+        """The prompt's first ``known`` ids (a prefix of its ids)."""
+        out = list(self.head)
+        for ids in self.plan.resolved:
+            if isinstance(ids, str):
+                break
+            if isinstance(ids, int):
+                out.append(ids)
+            else:
+                out.extend(ids)
+        return out
 
 
 def bundled_test_tokenizer() -> Path:
@@ -159,6 +195,9 @@ class Tokenizer:
         # first pass, a list of ~130,000 ints is walked by every full collection (~10 ms)
         self._ints: tuple[int, ...] = tuple(range(self._id_bound()))
         self._full_encodes = 0
+        # characters and tokens of every piece encoded: the ratio ``PromptPlan.estimate`` uses
+        self._chars_encoded = _PRIOR_CHARS
+        self._tokens_encoded = _PRIOR_CHARS // _PRIOR_CHARS_PER_TOKEN
         self._encode_threads = encode_threads
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
@@ -301,28 +340,62 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of a completion prompt, as vLLM's /v1/completions computes them, reusing the ids
         of chunks seen before."""
-        if not isinstance(text, str):
-            raise TokenizationError("prompt must be a string")
-        plan = self._plan_text(text, add_special_tokens)
-        if plan is None:
+        planned = self.plan_prompt(text, add_special_tokens)
+        if planned is None:
             return self._encode_one(text, add_special_tokens)
-        return self._finish_text(plan, self._encode_many(plan.missing), add_special_tokens)
+        return self.encode_planned(planned)
 
     async def aencode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """:meth:`encode`; the uncached text goes to a worker thread when it is long."""
-        if not isinstance(text, str):
-            raise TokenizationError("prompt must be a string")
-        plan = self._plan_text(text, add_special_tokens)
-        if plan is None:
+        planned = self.plan_prompt(text, add_special_tokens)
+        if planned is None:
             if len(text) < self.thread_threshold_chars:
                 return self._encode_one(text, add_special_tokens)
             (ids,) = await self._in_thread([text], add_special_tokens)
             return ids
-        if sum(map(len, plan.missing)) < self.thread_threshold_chars:
-            encoded = self._encode_many(plan.missing)
-        else:
-            encoded = await self._in_thread(plan.missing, False)
-        return self._finish_text(plan, encoded, add_special_tokens)
+        return await self.aencode_planned(planned)
+
+    def plan_prompt(self, text: str, add_special_tokens: bool = True) -> PromptPlan | None:
+        """A completion prompt cut and its pieces looked up, nothing encoded yet; None when it
+        is encoded whole (this tokenizer cannot cut it). :meth:`aencode_planned` finishes it
+        to exactly :meth:`encode`'s ids."""
+        if not isinstance(text, str):
+            raise TokenizationError("prompt must be a string")
+        plan = self._plan_text(text, add_special_tokens)
+        if plan is None:
+            return None
+        head, tail = self._specials if add_special_tokens and self._specials else ((), ())
+        known, later, chars = len(head), len(tail), 0
+        open_ = False  # past the first uncached piece
+        for ids in plan.resolved:
+            if isinstance(ids, str):
+                open_ = True
+                chars += len(ids)
+            elif open_:
+                later += 1 if isinstance(ids, int) else len(ids)
+            else:
+                known += 1 if isinstance(ids, int) else len(ids)
+        estimate = known + later
+        if chars:
+            estimate += max(1, round(chars * self._tokens_encoded / self._chars_encoded))
+        missing = sum(map(len, plan.missing))
+        return PromptPlan(known, estimate, missing, add_special_tokens, plan, head)
+
+    def encode_planned(self, planned: PromptPlan) -> list[int]:
+        """The ids of a :meth:`plan_prompt` prompt, encoding its uncached text here."""
+        plan = planned.plan
+        return self._finish_text(plan, self._encode_many(plan.missing), planned.add_special_tokens)
+
+    async def aencode_planned(self, planned: PromptPlan, thread: bool | None = None) -> list[int]:
+        """:meth:`encode_planned`, the uncached text on a worker thread when ``thread`` (None:
+        when it is at least ``thread_threshold_chars`` long, as :meth:`aencode` does)."""
+        if thread is None:
+            thread = planned.missing_chars >= self.thread_threshold_chars
+        if not thread:
+            return self.encode_planned(planned)
+        plan = planned.plan
+        encoded = await self._in_thread(plan.missing, False)
+        return self._finish_text(plan, encoded, planned.add_special_tokens)
 
     def _plan_text(self, text: str, add_special_tokens: bool) -> Plan | None:
         """A completion prompt cut at added tokens and into chunks, its pieces looked up; None
@@ -564,6 +637,8 @@ class Tokenizer:
         """Cache the plan's newly encoded pieces; the map from piece to ids."""
         fresh = {p: self._intern(ids) for p, ids in zip(plan.missing, encoded, strict=True)}
         self._cache.put_pieces(fresh.items())
+        self._chars_encoded += sum(map(len, plan.missing))
+        self._tokens_encoded += sum(map(len, encoded))
         return fresh
 
     def clear_cache(self) -> None:

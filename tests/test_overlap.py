@@ -1,0 +1,152 @@
+"""Routing a completion prompt on its known first ids while the rest is encoded (``Pool.prepare``
+with ``overlap``): the ids, keys, count and speculative insert end up exactly those of a prompt
+encoded first, and the exact ids still decide the errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import pytest
+import tokenizers
+
+from gateway.config import PoolSettings
+from gateway.errors import ApiError
+from gateway.pool import Pool
+from gateway.requests import parse_body
+from gateway.routing.index import ShadowIndex
+from gateway.tokenization import bundled_test_tokenizer
+
+PATH = bundled_test_tokenizer()
+WORDS = ["alpha", "beta", "gamma", "delta", "kappa", "omega"]
+DOCUMENT = "".join(" " + WORDS[(i * 7) % 6] + ("s" if i % 3 == 0 else "") for i in range(6000))
+QUESTION = " Why is beta here at all? " + " ".join(["gamma", "delta"] * 80)
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def plain() -> tokenizers.Tokenizer:
+    return tokenizers.Tokenizer.from_file(str(PATH))
+
+
+def make_pool(**kw: object) -> Pool:
+    settings = PoolSettings("m", str(PATH), chat_template="deepseek-v3", block_size=BS, **kw)  # type: ignore[arg-type]
+    pool = Pool(settings, ShadowIndex(speculative_ttl=60.0), "seed")
+    for w in ("w0", "w1"):
+        pool.router.add_worker(w)
+    return pool
+
+
+@pytest.fixture
+def pool() -> Iterator[Pool]:
+    p = make_pool()
+    yield p
+    p.tokenizer.close()
+
+
+def completion(prompt: str, max_tokens: int = 16):  # type: ignore[no-untyped-def]
+    raw = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens}).encode()
+    return parse_body(raw, "completion")
+
+
+def test_an_overlapped_prompt_ends_with_the_exact_ids_keys_and_speculation(
+    pool: Pool, plain: tokenizers.Tokenizer
+) -> None:
+    async def run() -> None:
+        await pool.prepare(completion(DOCUMENT + " What is alpha?"), overlap=True)  # caches
+        prompt = DOCUMENT + QUESTION
+        exact = plain.encode(prompt).ids
+        prep = await pool.prepare(completion(prompt), overlap=True)
+        assert prep.pending, "a new question under a cached document is routed at once"
+        known = len(prep.ids)
+        assert known < len(exact) and list(prep.ids) == exact[:known]
+        assert abs(prep.prompt_tokens - len(exact)) < 0.01 * len(exact)  # an estimate
+        decision = pool.router.route(prep.keys, prep.prompt_tokens, 1.0)
+        prep.routes.append((decision.worker, 1.0))
+        pool.settle(prep)
+        await prep.ready()
+        assert not prep.pending and prep.error is None
+        assert list(prep.ids) == exact and prep.prompt_tokens == len(exact)
+        full = pool.keyer.keys(exact)
+        assert prep.keys.all() == full
+        # the routed worker holds every block of the prompt, the other none of it
+        masks = pool.router.index.match_masks(full)
+        bit = pool.router.index.bit(decision.worker)
+        assert masks and masks[0][0] == len(full) and masks[0][1] & bit
+
+    asyncio.run(run())
+
+
+def test_what_overlaps_and_what_is_encoded_first(pool: Pool) -> None:
+    async def run() -> None:
+        first = await pool.prepare(completion(DOCUMENT + " What is alpha?"), overlap=True)
+        assert not first.pending and first.rest is None  # nothing known: encoded first
+        prompt = DOCUMENT + QUESTION
+        off = await pool.prepare(completion(prompt), overlap=False)
+        assert off.rest is None and len(off.ids) == off.prompt_tokens
+        again = await pool.prepare(completion(prompt), overlap=True)
+        assert again.rest is None  # every piece cached now: nothing to wait for
+        # new text that is most of the prompt is encoded first (the decision could miss much)
+        short = await pool.prepare(completion(DOCUMENT[:3000] + QUESTION * 3), overlap=True)
+        assert short.rest is None
+        # an estimate past the context is checked exactly before anything is sent
+        with pytest.raises(ApiError) as err:
+            await pool.prepare(completion(DOCUMENT + QUESTION + " x", 10**6), overlap=True)
+        assert err.value.code == "context_length_exceeded"
+
+    asyncio.run(run())
+
+
+def test_overlap_settings_turn_it_off() -> None:
+    for kw in ({"tokenize_overlap_chars": 0}, {"tokenize_thread_chars": 0}):
+        p = make_pool(**kw)
+
+        async def run(p: Pool = p) -> None:
+            await p.prepare(completion(DOCUMENT + " What is alpha?"), overlap=True)
+            prep = await p.prepare(completion(DOCUMENT + QUESTION), overlap=True)
+            assert prep.rest is None
+
+        asyncio.run(run())
+        p.tokenizer.close()
+
+
+def test_the_exact_ids_decide_the_context_check(plain: tokenizers.Tokenizer) -> None:
+    """New text denser in tokens than the cached document: its estimate fits the context, its
+    exact count does not, and ``ready`` raises the error a first encode would have raised."""
+    dense = " " + " ".join(f"{n}🙂" for n in range(200))  # ~4 tokens per 3 characters
+    prompt = DOCUMENT + dense
+    exact = len(plain.encode(prompt).ids)
+    p = make_pool(max_model_len=exact + 8, tokenize_overlap_fraction=0.5)
+
+    async def run() -> None:
+        await p.prepare(completion(DOCUMENT + " What is alpha?"), overlap=True)
+        prep = await p.prepare(completion(prompt, max_tokens=16), overlap=True)
+        assert prep.pending and prep.prompt_tokens + 16 <= exact + 8
+        with pytest.raises(ApiError) as err:
+            await prep.ready()
+        assert err.value.code == "context_length_exceeded"
+        assert f"({exact} in the messages" in err.value.message
+        first = make_pool(max_model_len=exact + 8)
+        with pytest.raises(ApiError) as direct:
+            await first.prepare(completion(prompt, max_tokens=16))
+        assert direct.value.message == err.value.message
+        first.tokenizer.close()
+
+    asyncio.run(run())
+    p.tokenizer.close()
+
+
+def test_text_the_tokenizer_rejects_is_a_400_after_overlap(pool: Pool) -> None:
+    async def run() -> None:
+        await pool.prepare(completion(DOCUMENT + " What is alpha?"), overlap=True)
+        bad = DOCUMENT + QUESTION + " \ud800 lone"
+        prep = await pool.prepare(completion(bad), overlap=True)
+        assert prep.pending
+        for _ in range(2):  # every caller of ``ready`` gets the error
+            with pytest.raises(ApiError) as err:
+                await prep.ready()
+            assert err.value.status == 400 and err.value.code == "invalid_prompt"
+            assert "surrogate" in err.value.message
+
+    asyncio.run(run())
