@@ -197,14 +197,9 @@ class Pool:
                     return self._overlapped(planned, req.max_tokens, adapter, t0)
                 else:
                     chat = ChatIds(await tok.aencode_planned(planned))
-        except TokenizationError as exc:
-            raise bad_request(
-                str(exc),
-                param="prompt" if req.messages is None else _MESSAGES_PARAM[req.kind],
-                code="invalid_prompt",
-            ) from None
-        except UnicodeError as exc:
-            raise bad_request(f"prompt is not valid text: {exc}", code="invalid_prompt") from None
+        except (TokenizationError, UnicodeError) as exc:
+            param = "prompt" if req.messages is None else _MESSAGES_PARAM[req.kind]
+            raise _invalid_prompt(exc, param) from None
         t1 = time.perf_counter()
         ids = chat.ids
         if not ids:
@@ -250,11 +245,8 @@ class Pool:
         and its keys and the speculative inserts of the decisions made so far completed."""
         try:
             ids = await self.tokenizer.aencode_planned(planned, thread=True)
-        except TokenizationError as exc:
-            prep.error = bad_request(str(exc), param="prompt", code="invalid_prompt")
-            return
-        except UnicodeError as exc:
-            prep.error = bad_request(f"prompt is not valid text: {exc}", code="invalid_prompt")
+        except (TokenizationError, UnicodeError) as exc:
+            prep.error = _invalid_prompt(exc, "prompt")
             return
         except Exception:  # the request still gets an answer, and the task no stray error
             log.exception("pool %s: encoding the rest of a prompt failed", self.name)
@@ -276,3 +268,10 @@ class Pool:
             for worker, now in prep.routes:
                 if worker in live:  # not removed meanwhile
                     index.speculate(worker, keys, now, start=start)
+
+
+def _invalid_prompt(exc: Exception, param: str) -> ApiError:
+    """The 400 for text the tokenizer rejects (bad messages, a lone surrogate)."""
+    if isinstance(exc, UnicodeError):
+        return bad_request(f"prompt is not valid text: {exc}", code="invalid_prompt")
+    return bad_request(str(exc), param=param, code="invalid_prompt")

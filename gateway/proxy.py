@@ -272,8 +272,6 @@ class Proxy:
         if inject_usage:
             body = _with_usage(body, creq)
         headers = self._upstream_headers(request)
-        if prep.rest is not None and pool.disaggregated:  # a decode worker registered since
-            await prep.ready()  # a pair is routed and counted on the exact ids
         tried: set[str] = set(skip)
         last: _Retry | None = None
         for attempt in range(s.max_retries + 1):

@@ -14,7 +14,7 @@ import tokenizers
 from gateway.config import PoolSettings
 from gateway.errors import ApiError
 from gateway.pool import Pool
-from gateway.requests import parse_body
+from gateway.requests import ClientRequest, parse_body
 from gateway.routing.index import ShadowIndex
 from gateway.tokenization import bundled_test_tokenizer
 
@@ -45,7 +45,7 @@ def pool() -> Iterator[Pool]:
     p.tokenizer.close()
 
 
-def completion(prompt: str, max_tokens: int = 16):  # type: ignore[no-untyped-def]
+def completion(prompt: str, max_tokens: int = 16) -> ClientRequest:
     raw = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens}).encode()
     return parse_body(raw, "completion")
 
@@ -150,3 +150,25 @@ def test_text_the_tokenizer_rejects_is_a_400_after_overlap(pool: Pool) -> None:
             assert "surrogate" in err.value.message
 
     asyncio.run(run())
+
+
+def test_only_clients_and_gateways_that_need_no_exact_count_first_overlap() -> None:
+    """A token rate limit takes the exact count before the request is admitted, and the
+    request log's decisions must replay on the exact keys: neither overlaps."""
+    from types import SimpleNamespace
+
+    from gateway.config import ApiKey
+    from gateway.limits import TokenBucket
+    from gateway.server import Gateway, _Client
+
+    def client(tokens_per_s: float) -> _Client:
+        return _Client(ApiKey("k"), TokenBucket(0.0, 0.0), TokenBucket(tokens_per_s, 1e6))
+
+    for log, who, expected in (
+        (None, None, True),
+        (None, client(0.0), True),
+        (None, client(1000.0), False),
+        (object(), None, False),
+    ):
+        gw = SimpleNamespace(proxy=SimpleNamespace(request_log=log))
+        assert Gateway._may_overlap(gw, who) is expected  # type: ignore[arg-type]
