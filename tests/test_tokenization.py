@@ -1078,10 +1078,14 @@ def test_benchmark_smoke() -> None:
     tokenize.add_arguments(parser)
     result = tokenize.run(parser.parse_args(["--tokens", "1500", "--repeats", "2"]))
     assert result["ok"] and result["ids_identical"] and result["conversation_tokens"] >= 1500
-    assert 0 < result["tokenize_followup_ratio"] < 1
+    # the timings of a 2-repeat smoke are noise (a CI run saw a follow-up ratio of 1.27, a
+    # quiet one 0.23): what is checked here is what the cache did, which timing cannot move
+    assert result["incremental"] and result["tokenize_followup_ratio"] > 0
+    assert result["followup_new_tokens"] < 0.2 * result["followup_tokens"]
     assert result["table"][0]["measure"].startswith("cold")
-    # a completion after a known document encodes about its question only, exactly
-    assert result["chunked"] and 0 < result["completion_shared_ratio"] < 0.5
+    # a completion after a known document is cut into cached chunks (its reuse, counted in
+    # tokens, is tests/test_chunking.py's test_shared_prefix_is_encoded_once)
+    assert result["chunked"] and result["completion_shared_ratio"] > 0
     # the gateway bench's shape: one long system prompt, then many short turns
     args = ["--tokens", "1500", "--repeats", "2", "--messages", "9", "--reply-words", "8"]
     shaped = tokenize.run(parser.parse_args([*args, "--user-words", "12"]))
