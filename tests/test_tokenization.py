@@ -443,6 +443,127 @@ def test_follow_up_reuses_remembered_prefix(base: tokenizers.Tokenizer) -> None:
     assert tk.stats.prefix_hits == 2
 
 
+def test_a_new_conversation_starts_from_its_known_system_prompt(
+    base: tokenizers.Tokenizer, plain: tokenizers.Tokenizer
+) -> None:
+    """A chat is remembered under its first message too (cut at the last chunk boundary inside
+    that message's text), so a new conversation under a known system prompt reuses the
+    prompt's ids instead of splitting and looking up every chunk of it again."""
+    tk = make(base)
+    system = {"role": "system", "content": " ".join(f"rule {i} of the house." for i in range(300))}
+    first = [system, {"role": "user", "content": "the first conversation opens"}]
+    assert tk.encode_chat(first) == reference_ids(plain, tk.render_chat(first))
+    hits, reused = tk.stats.prefix_hits, tk.stats.prefix_tokens
+    system_ids = reference_ids(plain, tk.render_chat([system], add_generation_prompt=False))
+    for n in range(3):
+        chat = [system, {"role": "user", "content": f"conversation {n} asks something new"}]
+        assert tk.encode_chat(chat) == reference_ids(plain, tk.render_chat(chat))
+        assert tk.stats.prefix_hits == hits + n + 1
+        got = tk.stats.prefix_tokens - reused
+        reused = tk.stats.prefix_tokens
+        # all of the system prompt but its last chunk (~1,024 characters, ~250 tokens)
+        assert len(system_ids) - 300 < got < len(system_ids), (got, len(system_ids))
+    # the same conversation's next turn still starts from its own longer prefix
+    chat += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "more"}]
+    assert tk.encode_chat(chat) == reference_ids(plain, tk.render_chat(chat))
+    assert tk.stats.prefix_tokens - reused > len(system_ids)
+    # another system prompt shares nothing of it
+    other = [{"role": "system", "content": system["content"].upper()}, chat[1]]
+    before = tk.stats.prefix_hits
+    assert tk.encode_chat(other) == reference_ids(plain, tk.render_chat(other))
+    assert tk.stats.prefix_hits == before
+
+
+@PROPERTY
+@given(
+    lead=st.lists(
+        st.one_of(
+            st.sampled_from(SPLIT_TOKENS),
+            st.sampled_from(FRAGMENTS),
+            st.sampled_from(["alpha beta", " gamma", "de lta", "x y z", "Ab Cd"]),
+            text_strategy,
+        ),
+        min_size=1,
+        max_size=8,
+    ).map("".join),
+    rests=st.lists(text_strategy, min_size=2, max_size=4),
+    template=st.sampled_from([CONCAT, "deepseek-v3", "qwen2.5"]),
+    role=st.sampled_from(["system", "user"]),
+)
+def test_conversations_under_a_shared_first_message_stay_exact(
+    base: tokenizers.Tokenizer,
+    plain: tokenizers.Tokenizer,
+    lead: str,
+    rests: list[str],
+    template: str,
+    role: str,
+) -> None:
+    """Chats sharing their first message, one after another: each later one may start from the
+    ids remembered under that message, cut at a chunk boundary (8-character chunks here, so
+    cuts fall everywhere) or an added token's end, whatever follows the message's text."""
+    tk = make(base, template, chunk_chars=8)
+    for rest in rests:
+        chat = [{"role": role, "content": lead}, {"role": "user", "content": rest}]
+        try:
+            text = tk.render_chat(chat)
+        except TokenizationError:
+            return
+        assert tk.encode_chat(chat) == reference_ids(plain, text)
+    tk.close()
+
+
+def test_the_first_messages_cut_needs_the_character_after_it(
+    base: tokenizers.Tokenizer, plain: tokenizers.Tokenizer
+) -> None:
+    """A chunk cut is safe only given the character after it: the first message's text here
+    ends exactly where the first chat had a chunk cut (before " eeee"). The next chat goes on
+    "dd" after the same text, so a cut remembered at the message's very end would encode
+    "dddd" and "dd" apart, where the whole text encodes "dddddd"."""
+    tk = make(base, CONCAT, chunk_chars=4)
+    lead = "aaaa bbbb cccc dddd"
+    for rest in (" eeee ffff", "dd gggg", "dd"):
+        chat = [{"role": "system", "content": lead}, {"role": "user", "content": rest}]
+        assert tk.encode_chat(chat) == reference_ids(plain, lead + rest), rest
+    assert tk.stats.prefix_hits >= 2  # the later chats did start from the remembered cut
+
+
+def test_short_pieces_are_encoded_one_per_call(
+    base: tokenizers.Tokenizer, plain: tokenizers.Tokenizer
+) -> None:
+    """A new turn's few short pieces go to the tokenizer one per call (a batch of several texts
+    wakes rayon's threads, whose spinning costs more CPU than the encode); a long cold chat's
+    pieces still go as one parallel batch. The ids are the same either way."""
+    calls: list[int] = []
+
+    def counted(tk: Tokenizer) -> Tokenizer:
+        batch = tk._batch
+
+        def spy(texts: list[str], **kw: Any) -> list[Any]:
+            calls.append(len(texts))
+            return batch(texts, **kw)
+
+        tk._batch = spy
+        return tk
+
+    rule, every = counted(make(base)), counted(make(base, batch_min_chars=0))
+    words = " ".join(f"line {i} of the system prompt." for i in range(400))  # 12,000 chars
+    system = {"role": "system", "content": words}
+    chat = [system, {"role": "user", "content": "first question " * 20}]
+    for tk in (rule, every):
+        calls.clear()
+        assert tk.encode_chat(chat) == reference_ids(plain, tk.render_chat(chat))
+        assert max(calls) > 1  # the cold chat's chunks, in one batch by either rule
+    turn = [*chat, {"role": "assistant", "content": "an answer " * 30}]
+    turn.append({"role": "user", "content": "and a follow-up " * 20})
+    want = reference_ids(plain, rule.render_chat(turn))
+    calls.clear()
+    assert rule.encode_chat(turn) == want
+    assert calls and set(calls) == {1}, calls  # the reply and the question, one call each
+    calls.clear()
+    assert every.encode_chat(turn) == want
+    assert calls == [2], calls
+
+
 def test_cache_is_bounded_by_tokens(
     base: tokenizers.Tokenizer, plain: tokenizers.Tokenizer
 ) -> None:
@@ -1076,8 +1197,9 @@ def test_benchmark_smoke() -> None:
 
     parser = argparse.ArgumentParser()
     tokenize.add_arguments(parser)
-    result = tokenize.run(parser.parse_args(["--tokens", "1500", "--repeats", "2"]))
+    result = tokenize.run(parser.parse_args(["--tokens", "1500", "--repeats", "2", "--turns", "3"]))
     assert result["ok"] and result["ids_identical"] and result["conversation_tokens"] >= 1500
+    assert result["turns"] == 18 and result["turn_cpu_ms_every_batch_parallel"] > 0
     # the timings of a 2-repeat smoke are noise (a CI run saw a follow-up ratio of 1.27, a
     # quiet one 0.23): the smoke checks that the bench runs, exactly, on the shape it names
     # (a follow-up adds one short turn); the cache's reuse is counted in tokens by this
@@ -1090,6 +1212,7 @@ def test_benchmark_smoke() -> None:
     assert result["chunked"] and result["completion_shared_ratio"] > 0
     # the gateway bench's shape: one long system prompt, then many short turns
     args = ["--tokens", "1500", "--repeats", "2", "--messages", "9", "--reply-words", "8"]
+    args += ["--turns", "0"]
     shaped = tokenize.run(parser.parse_args([*args, "--user-words", "12"]))
     assert shaped["ok"] and shaped["ids_identical"] and shaped["messages"] == 9
     assert 1500 <= shaped["conversation_tokens"] < 1500 + 400  # grown in 200-word steps

@@ -264,7 +264,19 @@ def test_token_ids_equal_vllms_for_every_bundled_template(stack: Stack) -> None:
             "tools": tools,
         },
     ]
-    checked = 0
+    # two conversations under one long system prompt: the second starts from the ids
+    # remembered under the first message, cut at a chunk boundary inside it
+    system = " ".join(f"Rule {i}: réponds brièvement, 你好 (no. {i * 7})." for i in range(60))
+    for question in ("What is a prefix cache?", "And a block table, then?"):
+        chats.append(
+            {
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ]
+            }
+        )
+    checked, reused = 0, []
     for name in bundled_templates():
         source = (TEMPLATES_DIR / f"{name}.jinja").read_text()
         ours = Tokenizer.load(stack.tokenizer_path(), name)
@@ -283,7 +295,9 @@ def test_token_ids_equal_vllms_for_every_bundled_template(stack: Stack) -> None:
             mine = ours.encode_chat(chat["messages"], tools=chat.get("tools"))
             assert mine == theirs, (name, chat)
             checked += 1
+        reused.append(ours.stats.prefix_hits)
     assert checked == len(bundled_templates()) * len(chats)
+    assert min(reused) > 0  # every template reused the shared system prompt
 
 
 def test_load_comes_from_vllms_metrics(stack: Stack) -> None:

@@ -3,7 +3,9 @@
 Pieces and prefixes share one LRU bounded by the number of token ids held. Each chat remembers
 its ids up to its last safe cut, keyed by a hash chain over its messages; the next request of
 the conversation looks its message prefixes up, checks that its rendered text starts with the
-remembered text and only cuts and encodes the rest."""
+remembered text and only cuts and encodes the rest. A long first message (a system prompt) is
+remembered under its own key too, up to the last safe cut inside it, so a new conversation
+under it starts there."""
 
 from __future__ import annotations
 
@@ -136,3 +138,6 @@ class Plan:
     items: list[str | int]  # split of text[start:]
     resolved: list[int | Ids | str]  # items with cached ids in place; str = missing piece
     missing: list[str]
+    # (key of the first message, end of its text) when the chat is remembered under its first
+    # message too (Tokenizer._lead_end)
+    lead: tuple[int, int] | None = None

@@ -56,6 +56,8 @@ DEFAULT_THREAD_THRESHOLD_CHARS = 8_192
 # Text between added tokens is cut into chunks of about this many characters (~200 tokens of
 # English), the granularity at which prompts sharing a prefix share cached ids.
 DEFAULT_CHUNK_CHARS = 1_024
+# Uncached pieces shorter than this together are encoded one by one, not as a parallel batch.
+DEFAULT_BATCH_MIN_CHARS = 8_192
 
 
 # Before any text is encoded, uncached text is estimated at one token per this many characters.
@@ -91,6 +93,17 @@ class PromptPlan:
             else:
                 out.extend(ids)
         return out
+
+
+def _lead_text(prepared: list[dict[str, Any]]) -> str | None:
+    """The first message's text, when it is text (one part, in the "openai" format) and more
+    messages follow it."""
+    if len(prepared) < 2:
+        return None
+    content = prepared[0].get("content")
+    if isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict):
+        content = content[0].get("text")
+    return content if isinstance(content, str) else None
 
 
 def bundled_test_tokenizer() -> Path:
@@ -175,6 +188,7 @@ class Tokenizer:
         thread_threshold_chars: int = DEFAULT_THREAD_THRESHOLD_CHARS,
         encode_threads: int = 2,
         chunk_chars: int = DEFAULT_CHUNK_CHARS,
+        batch_min_chars: int = DEFAULT_BATCH_MIN_CHARS,
     ) -> None:
         tokenizer.no_truncation()  # transformers (so the engines) never truncate implicitly
         tokenizer.no_padding()
@@ -187,6 +201,7 @@ class Tokenizer:
         self.eos_token_id: int | None = self.token_id(self.eos_token) if self.eos_token else None
         self.normalize = normalize
         self.thread_threshold_chars = thread_threshold_chars
+        self.batch_min_chars = batch_min_chars
         self._templates = {k: compile_template(v, k) for k, v in templates.items()}
         self._formats = {k: detect_content_format(v) for k, v in templates.items()}
         self._cache = IdCache(cache_tokens)
@@ -327,10 +342,19 @@ class Tokenizer:
         return ids
 
     def _encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
-        """One ``encode_batch`` call: it releases the GIL and spreads inputs over threads."""
+        """The texts' ids: one ``encode_batch`` call, which releases the GIL and spreads the
+        texts over rayon's threads; but one text per call when they are short together
+        (``batch_min_chars``). A batch of several texts wakes rayon's threads, which spin
+        before they sleep: on a new turn's few short pieces that cost more CPU than the
+        encode and took a core from the event loop (``kvroute bench tokenize``, ``turn_*``),
+        while a batch of one runs on the calling thread and skips the offsets ``encode``
+        computes. Parallel batches first save wall time around 8,000 characters."""
         if not texts:
             return []
         try:
+            if len(texts) > 1 and sum(map(len, texts)) < self.batch_min_chars:
+                batch = self._batch
+                return [batch([t], add_special_tokens=add_special_tokens)[0].ids for t in texts]
             encodings = self._batch(texts, add_special_tokens=add_special_tokens)
         except TypeError:
             _check_encodable(texts)
@@ -489,8 +513,9 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None,
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any],
-    ) -> tuple[str, list[int]]:
-        """(prompt text, conversation keys of its message prefixes)."""
+    ) -> tuple[str, list[int], str | None]:
+        """(prompt text, conversation keys of its message prefixes, the first message's text
+        when more messages follow it)."""
         name = self._template_name(tools)
         if self.normalize:
             messages = normalize_messages(messages)
@@ -508,7 +533,7 @@ class Tokenizer:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
             raise TokenizationError(f"chat template failed: {e}") from e
-        return text, conversation_keys(name, prepared)
+        return text, conversation_keys(name, prepared), _lead_text(prepared)
 
     def _template_name(self, tools: Any) -> str:
         """As transformers picks among named templates: ``tool_use`` for requests with tools."""
@@ -539,8 +564,8 @@ class Tokenizer:
     ) -> list[int]:
         """Ids of a chat request: render, then encode without added special tokens (as vLLM's
         chat endpoint does), reusing the ids of earlier requests and of pieces seen before."""
-        text, keys = self._render(messages, tools, add_generation_prompt, template_kwargs)
-        plan = self._plan(text, keys)
+        text, keys, lead = self._render(messages, tools, add_generation_prompt, template_kwargs)
+        plan = self._plan(text, keys, lead)
         if plan is None:
             return self._encode_one(text)
         return self._finish(plan, self._encode_many(plan.missing)).ids
@@ -566,17 +591,17 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> ChatIds:
         """:meth:`aencode_chat` with the remembered prefixes the ids came from."""
-        text, keys = self._render(messages, tools, add_generation_prompt, template_kwargs)
-        plan = self._plan(text, keys)
+        text, keys, lead = self._render(messages, tools, add_generation_prompt, template_kwargs)
+        plan = self._plan(text, keys, lead)
         if plan is None:
             return ChatIds(await self.aencode(text, add_special_tokens=False))
         if sum(map(len, plan.missing)) < self.thread_threshold_chars:
             return self._finish(plan, self._encode_many(plan.missing))
         return self._finish(plan, await self._in_thread(plan.missing, False))
 
-    def _plan(self, text: str, keys: list[int]) -> Plan | None:
+    def _plan(self, text: str, keys: list[int], lead: str | None = None) -> Plan | None:
         """Reuse a remembered prefix, cut the rest and look its pieces up; None when the text
-        must be encoded whole."""
+        must be encoded whole. ``lead``: the first message's text (see :meth:`_lead_end`)."""
         splitter = self._splitter
         if splitter is None:
             self._full_encodes += 1
@@ -587,7 +612,25 @@ class Tokenizer:
             self._full_encodes += 1
             return None
         key = keys[-1] if keys and not splitter.strips else None
-        return self._lookup(Plan(text, key, head, start, items, [], []))
+        plan = Plan(text, key, head, start, items, [], [])
+        if key is not None and lead is not None and len(keys) > 1:
+            plan.lead = self._lead_end(text, keys[0], lead, start)
+        return self._lookup(plan)
+
+    def _lead_end(self, text: str, key: int, lead: str, start: int) -> tuple[int, int] | None:
+        """(key of the first message, end of its text in ``text``) when this chat should also
+        be remembered under its first message alone: a new conversation under a known system
+        prompt then starts from that prompt's ids instead of splitting and looking up all of
+        its chunks. Only once per first message (while the cache holds it), and only when the
+        text is long enough to hold a chunk cut. Where the template does not render the
+        message verbatim the end is wrong or absent, which costs reuse, never exactness: the
+        remembered text is a prefix of this text whatever the end, and reuse checks it."""
+        if self._chunker is None or len(lead) <= self._chunker.size:
+            return None
+        if self._cache.get_prefix(key) is not None:
+            return None
+        at = text.find(lead, start)
+        return None if at < 0 else (key, at + len(lead))
 
     def _reuse_prefix(self, text: str, keys: list[int]) -> tuple[Ids, int]:
         """The remembered ids of the longest earlier chat of this conversation whose text this
@@ -609,28 +652,52 @@ class Tokenizer:
         up to the cut, and in them the same second-pass matches; the pieces before the cut
         are the same strings, and after the cut (a match end) a new piece starts. Cutting
         only after first-pass tokens would leave a long system prompt followed by
-        second-pass tokens (DeepSeek's ``<｜User｜>``) outside every remembered prefix."""
+        second-pass tokens (DeepSeek's ``<｜User｜>``) outside every remembered prefix.
+
+        With ``plan.lead`` the chat is also remembered under its first message, as if its
+        text ended where that message's text ends: cut at the last chunk boundary (or added
+        token's end) before both that end and the end's open end. A chunk cut depends on the
+        character after it (:class:`~gateway.tokenization.chunking.Chunker`), which must lie
+        inside the remembered text; a text piece directly after another text piece is always
+        a chunk boundary (the splitter puts an added token between its pieces)."""
         fresh = self._store(plan, encoded)
         splitter = self._splitter
         assert splitter is not None
         out = list(plan.head)
         offset, cut = plan.start, (0, 0)
         limit = splitter.open_end(plan.text) if plan.key is not None else -1
+        # the lead's cut: the last chunk boundary, or end of an added token, that any text
+        # starting with the lead's text has too (a chunk cut depends on the character after it)
+        lead_limit = -1
+        if plan.lead is not None:
+            end = plan.lead[1]
+            lead_limit = min(end - 1, splitter.open_end(plan.text[:end]))
+        lead_cut, chunked = (0, 0), False  # chunked: the previous item was text too
         for item, ids in zip(plan.items, plan.resolved, strict=True):
             if isinstance(item, int):
                 out.append(item)
                 offset += splitter.token_len[item]
                 if offset <= limit and item in splitter.cut_ids:
                     cut = (offset, len(out))
+                if offset <= lead_limit and item in splitter.cut_ids:
+                    lead_cut = (offset, len(out))
+                chunked = False
             else:
+                if chunked and offset <= lead_limit:  # two texts in a row: a chunk boundary
+                    lead_cut = (offset, len(out))
                 out.extend(ids if isinstance(ids, tuple) else fresh[item])
                 offset += len(item)
+                chunked = True
         remembered = None
         if plan.key is not None and cut[1] > len(plan.head):
             # the head is a tuple already: copy only what follows it (a long chat's ids
             # are copied once here, not twice through a list slice)
             remembered = plan.head + tuple(out[len(plan.head) : cut[1]])
             self._cache.put_prefix(plan.key, Prefix(plan.text, cut[0], remembered))
+        if plan.lead is not None and lead_cut[1] > len(plan.head):
+            lead_ids = plan.head + tuple(out[len(plan.head) : lead_cut[1]])
+            lead_text = plan.text[: plan.lead[1]]
+            self._cache.put_prefix(plan.lead[0], Prefix(lead_text, lead_cut[0], lead_ids))
         return ChatIds(out, plan.head, remembered)
 
     def _store(self, plan: Plan, encoded: list[list[int]]) -> dict[str, Ids]:

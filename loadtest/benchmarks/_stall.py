@@ -15,8 +15,10 @@ answers too): the figure is the p99 of the paired differences, routed TTFT - dir
 
 **New conversation under a known system prompt.** In process, on the pool's tokenizer: CPU of
 a cold chat (a ``--stall-long-words`` system prompt and a user message), of a second chat
-under the same system prompt with another user message, and of encoding that user message
-alone: the second costs about the new text, not the prompt.
+under the same system prompt with another user message, and of encoding another fresh
+message of the same length alone (not the second chat's own: HF tokenizers' word cache would
+serve it). Each is measured apart from the others, with the threads a parallel encode leaves
+spinning counted where they were started, less an empty call's CPU.
 """
 
 from __future__ import annotations
@@ -202,28 +204,44 @@ def run_stall(
     }
 
 
+#: idle time before and after each measured call: HF tokenizers' threads spin for a while after
+#: a parallel batch returns, so a call measured right after the cold chat was charged the cold
+#: chat's spinning, and each call's own spinning after it returns is its cost too
+_SETTLE_S = 0.005
+
+
+def _settled_cpu(fn: Callable[[], Any]) -> float:
+    """Process CPU seconds of ``fn`` and of the settle time after it, after a settle before it."""
+    time.sleep(_SETTLE_S)
+    cpu = time.process_time()
+    fn()
+    time.sleep(_SETTLE_S)
+    return time.process_time() - cpu
+
+
 def new_conversation_cost(tokenizer_path: str, template: str, words: int) -> dict[str, Any]:
     """CPU ms: a cold chat, a new chat under its (now known) system prompt, and the new chat's
-    user message encoded alone (median of 5 each, fresh texts every time)."""
+    user message encoded alone (median of 5 each, fresh texts every time), each measured apart
+    from the others' threads, less an empty call's."""
     from gateway.tokenization import Tokenizer
 
     rng = random.Random(11)
-    cold, new, alone = [], [], []
+    cold, new, alone, idle = [], [], [], []
     for _ in range(5):
         tok = Tokenizer.load(tokenizer_path, template)
         system = {"role": "system", "content": _novel(rng, words)}
         first = [system, {"role": "user", "content": _novel(rng, 60)}]
-        user = _novel(rng, 60)
-        t = time.process_time()
-        tok.encode_chat(first)
-        cold.append(time.process_time() - t)
-        t = time.process_time()
-        tok.encode_chat([system, {"role": "user", "content": user}])
-        new.append(time.process_time() - t)
-        t = time.process_time()
-        tok.encode(user, add_special_tokens=False)
-        alone.append(time.process_time() - t)
+        # the new text alone is another fresh text of the same length: HF tokenizers caches
+        # the words it has seen, so the new chat's own text would be cheaper the second time
+        user, other = _novel(rng, 60), _novel(rng, 60)
+        cold.append(_settled_cpu(lambda: tok.encode_chat(first)))  # noqa: B023 (called at once)
+        chat = [system, {"role": "user", "content": user}]
+        new.append(_settled_cpu(lambda: tok.encode_chat(chat)))  # noqa: B023
+        alone.append(_settled_cpu(lambda: tok.encode(other, add_special_tokens=False)))  # noqa: B023
+        idle.append(_settled_cpu(lambda: None))
         tok.close()
+    base = sorted(idle)[len(idle) // 2]
+    cold, new, alone = ([max(x - base, 0.0) for x in xs] for xs in (cold, new, alone))
 
     def med(xs: list[float]) -> float:
         return round(sorted(xs)[len(xs) // 2] * 1e3, 3)

@@ -888,6 +888,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 reply_words=200,
                 user_words=60,
                 seed=7,
+                turns=0,
             )
         )
         result["tokenize_followup_ratio"] = tok["tokenize_followup_ratio"]

@@ -10,7 +10,12 @@ tokenized by the bundled DeepSeek-V3 tokenizer three ways, each the median over 
 * ``full``: render, then one plain ``encode`` of the whole text, the no-cache baseline;
 * ``completion``: the conversation's text as one completion prompt's document, then a new
   question after it each repeat (the chunks of the document are cached), against a plain
-  encode of the same prompt.
+  encode of the same prompt;
+* ``turn``: ``--turns`` new turns of the conversation one after another (a reply and a user
+  message each, fresh text every time, a few milliseconds idle between them, as a gateway
+  sees them), the process's CPU over the whole loop, so that what HF tokenizers' threads
+  burn after a call returns counts too; in rounds alternating the tokenizer's rule for short
+  uncached pieces (one text per call) with one parallel ``encode_batch`` of them all.
 
 One long-lived tokenizer is used, as in a gateway, and only its piece cache is cleared before
 each cold measurement (HF tokenizers' own BPE word cache stays warm, as it does in service).
@@ -75,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="shape the chat as `bench gateway` does: this many messages, a system prompt "
         "holding most of the tokens, then short turns of --user-words and --reply-words "
         "(0: long turns after a 400-word system prompt)",
+    )
+    parser.add_argument(
+        "--turns", type=int, default=100, help="new turns per round of the `turn` phase"
     )
     parser.add_argument("--seed", type=int, default=7)
 
@@ -193,6 +201,57 @@ def _completions(
     }
 
 
+#: idle time between the `turn` phase's turns: long enough for rayon's threads to settle
+_TURN_GAP_S = 0.003
+_TURN_ROUNDS = 6
+
+
+def _turns(
+    tok: Tokenizer,
+    plain: tokenizers.Tokenizer,
+    messages: list[dict[str, Any]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """CPU per new turn (process CPU over the loop, idle gaps included, minus an empty loop's),
+    with the tokenizer's rule for short pieces and with every batch parallel, rounds alternated;
+    each round's last turn checked against a plain encode."""
+    rng = random.Random(args.seed + 2)
+    rule = tok.batch_min_chars
+    tok.encode_chat(messages)
+    per: dict[str, list[float]] = {"rule": [], "batch": [], "idle": []}
+    ok = True
+    for _ in range(_TURN_ROUNDS):
+        for arm, batch_min in (("rule", rule), ("batch", 0), ("idle", None)):
+            tok.batch_min_chars = rule if batch_min is None else batch_min
+            chat = list(messages)
+            cpu = time.process_time()
+            for _ in range(args.turns):
+                chat = [
+                    *chat,
+                    {"role": "assistant", "content": _paragraph(rng, args.reply_words)},
+                    {"role": "user", "content": _paragraph(rng, args.user_words)},
+                ]
+                if batch_min is not None:
+                    ids = tok.encode_chat(chat)
+                time.sleep(_TURN_GAP_S)
+            per[arm].append((time.process_time() - cpu) / args.turns)
+            if batch_min is not None:
+                text = tok.render_chat(chat)
+                ok &= ids == plain.encode(text, add_special_tokens=False).ids
+    tok.batch_min_chars = rule
+    idle = statistics.median(per["idle"])
+    rule_ms, batch_ms = (
+        round(max(statistics.median(per[a]) - idle, 0.0) * 1e3, 3) for a in ("rule", "batch")
+    )
+    return {
+        "turn_cpu_ms": rule_ms,
+        "turn_cpu_ms_every_batch_parallel": batch_ms,
+        "turn_cpu_ratio": round(rule_ms / batch_ms, 3) if batch_ms else None,
+        "turns": args.turns * _TURN_ROUNDS,
+        "ids_identical": ok,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     path = bundled_test_tokenizer()
     probe = Tokenizer.load(path, args.template)
@@ -232,6 +291,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     completion = _completions(tok, plain, messages, args.user_words, args.seed, args.repeats)
     ok &= completion.pop("ids_identical")
+    turns = _turns(tok, plain, messages, args) if args.turns > 0 else {}
+    ok &= turns.pop("ids_identical", True)
     stats = tok.stats
     cold_cpu, warm_cpu, full_cpu = (_median_ms(x["cpu"]) for x in (cold, warm, full))
     cold_wall, warm_wall, full_wall = (_median_ms(x["wall"]) for x in (cold, warm, full))
@@ -260,6 +321,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "incremental": stats.incremental,
         "chunked": stats.chunked,
         **completion,
+        **turns,
         "ids_identical": ok,
     }
     result["ok"] = ok and stats.incremental and (result["meets_p4"] or not result["p4_applies"])
@@ -278,4 +340,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "wall_ms": completion["completion_full_wall_ms"],
         },
     ]
+    if turns:
+        result["table"] += [
+            {"measure": "new turn, short pieces one per call", "cpu_ms": turns["turn_cpu_ms"]},
+            {
+                "measure": "new turn, every batch parallel",
+                "cpu_ms": turns["turn_cpu_ms_every_batch_parallel"],
+            },
+        ]
     return result
