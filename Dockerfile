@@ -38,7 +38,7 @@ COPY loadtest/ loadtest/
 # the extensions are optional to setuptools; the image must have them (checked by the imports:
 # the C keys, and the routing core compiled by mypyc, which the build environment installs)
 RUN /opt/kvroute/bin/pip install --no-deps . \
-    && cd / && /opt/kvroute/bin/python -c "import gateway.routing._ckeys" \
+    && cd / && /opt/kvroute/bin/python -c "import gateway.routing._ckeys, gateway.tokenization._ids" \
     && /opt/kvroute/bin/python -c "import sys, gateway.routing.policy as m; sys.exit(not m.__spec__.origin.endswith('.so'))" \
     && /opt/kvroute/bin/kvroute gateway --help > /dev/null \
     && /opt/kvroute/bin/kvroute agent --help > /dev/null

@@ -2,6 +2,8 @@
 
 - ``gateway.routing._ckeys`` computes the canonical block keys in C (gateway/routing/keys.py
   falls back to its numpy path when it is missing).
+- ``gateway.tokenization._ids`` builds the tokenizer's cached id tuples untracked by the cyclic
+  collector (gateway/tokenization/tokenizer.py falls back to plain tuples when it is missing).
 - The routing core (shadow index, load tracker, cost model, policies, router) and the offline
   cluster simulator with its engines (``COMPILED``) are compiled from their own typed Python
   source by mypyc: the same code, faster per decision and per simulated request
@@ -70,6 +72,12 @@ setup(
         Extension(
             "gateway.routing._ckeys",
             sources=["gateway/routing/_keys.c"],
+            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit"],
+            optional=True,
+        ),
+        Extension(
+            "gateway.tokenization._ids",
+            sources=["gateway/tokenization/_ids.c"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit"],
             optional=True,
         ),

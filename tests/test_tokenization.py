@@ -31,6 +31,7 @@ from gateway.tokenization import (
     prepare_messages,
     prepare_tools,
 )
+from gateway.tokenization.cache import Prefix
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -525,6 +526,47 @@ def test_the_first_messages_cut_needs_the_character_after_it(
         chat = [{"role": "system", "content": lead}, {"role": "user", "content": rest}]
         assert tk.encode_chat(chat) == reference_ids(plain, lead + rest), rest
     assert tk.stats.prefix_hits >= 2  # the later chats did start from the remembered cut
+
+
+def test_untracked_ints() -> None:
+    """The C helper: tuple(ids) from any iterable of ints, out of the collector's lists at
+    once; anything but ints refused (a tuple holding a container could be part of a cycle)."""
+    import gc
+
+    from gateway.tokenization._ids import untracked_ints
+
+    for ids in ([1, 2, 3_000_000], (5, 6), iter([7, 8]), range(4)):
+        got = untracked_ints(ids)
+        assert type(got) is tuple and not gc.is_tracked(got)
+    assert untracked_ints([1, 2, 3_000_000]) == (1, 2, 3_000_000) and untracked_ints([]) == ()
+    for bad in ([1, [2]], [1.0], [True], ["a"]):
+        with pytest.raises(TypeError, match="ints only"):
+            untracked_ints(bad)
+    with pytest.raises(TypeError):
+        untracked_ints(5)  # type: ignore[arg-type]
+
+
+def test_cached_ids_are_out_of_the_collectors_walk(base: tokenizers.Tokenizer) -> None:
+    """Every cached tuple of ids (pieces, a chat's remembered prefix, its first message's) is
+    untracked as it is made: young collections are seconds apart in a gateway, and each
+    walked every tuple made since the last one, hundreds of ~8,000-id prefixes (an 18 ms
+    pause of the event loop; docs/benchmarks.md, "Young collections walked every remembered
+    chat")."""
+    import gc
+
+    tk = make(base)
+    system = {"role": "system", "content": " ".join(f"clause {i} applies." for i in range(200))}
+    chat = [system, {"role": "user", "content": "a question"}]
+    tk.encode_chat(chat)
+    chat += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "more"}]
+    tk.encode_chat(chat)
+    entries = list(tk._cache._items.values())
+    prefixes = [e for e in entries if isinstance(e, Prefix)]
+    assert len(prefixes) == 3  # the two turns' and the system prompt's
+    assert len(entries) > len(prefixes)  # and pieces
+    for entry in entries:
+        ids = entry.ids if isinstance(entry, Prefix) else entry
+        assert type(ids) is tuple and ids and not gc.is_tracked(ids)
 
 
 def test_short_pieces_are_encoded_one_per_call(

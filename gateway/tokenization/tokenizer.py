@@ -51,6 +51,14 @@ from gateway.tokenization.types import (
     TokenizerStats,
 )
 
+#: tuple(ids) untracked by the cyclic collector (gateway/tokenization/_ids.c), or, where it
+#: was not built (no C compiler at install), a plain tuple, untracked at its first walk
+untracked_ints: Callable[[Iterable[int]], tuple[int, ...]]
+try:
+    from gateway.tokenization._ids import untracked_ints
+except ImportError:
+    untracked_ints = tuple
+
 # Chats whose uncached text is at least this long are encoded on a worker thread.
 DEFAULT_THREAD_THRESHOLD_CHARS = 8_192
 # Text between added tokens is cut into chunks of about this many characters (~200 tokens of
@@ -322,10 +330,10 @@ class Tokenizer:
         """``ids`` as a tuple of the shared int objects (a cached token costs one pointer)."""
         ints = self._ints
         try:
-            return tuple([ints[i] for i in ids])
+            return untracked_ints([ints[i] for i in ids])
         except IndexError:  # an id beyond the vocabulary's size: grow the table
             self._ints = ints = ints + tuple(range(len(ints), max(ids) + 1))
-            return tuple([ints[i] for i in ids])
+            return untracked_ints([ints[i] for i in ids])
 
     def _id_bound(self) -> int:
         added = self._tk.get_added_tokens_decoder()
@@ -692,10 +700,10 @@ class Tokenizer:
         if plan.key is not None and cut[1] > len(plan.head):
             # the head is a tuple already: copy only what follows it (a long chat's ids
             # are copied once here, not twice through a list slice)
-            remembered = plan.head + tuple(out[len(plan.head) : cut[1]])
+            remembered = untracked_ints(plan.head + tuple(out[len(plan.head) : cut[1]]))
             self._cache.put_prefix(plan.key, Prefix(plan.text, cut[0], remembered))
         if plan.lead is not None and lead_cut[1] > len(plan.head):
-            lead_ids = plan.head + tuple(out[len(plan.head) : lead_cut[1]])
+            lead_ids = untracked_ints(plan.head + tuple(out[len(plan.head) : lead_cut[1]]))
             lead_text = plan.text[: plan.lead[1]]
             self._cache.put_prefix(plan.lead[0], Prefix(lead_text, lead_cut[0], lead_ids))
         return ChatIds(out, plan.head, remembered)
