@@ -16,8 +16,9 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # ---- build: install kvroute and its dependencies into a virtualenv -------------------------
 FROM ${PYTHON_IMAGE} AS build
-# gcc builds the compiled key function (gateway/routing/_keys.c -> gateway.routing._ckeys) and
-# the routing core mypyc compiles (setup.py); the python image ships the headers. Only this
+# gcc builds the compiled key function (gateway/routing/_keys.c -> gateway.routing._ckeys), the
+# untracked id tuples (gateway/tokenization/_ids.c -> gateway.tokenization._ids) and the
+# routing core mypyc compiles (setup.py); the python image ships the headers. Only this
 # stage has it: the runtime copies the venv.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \

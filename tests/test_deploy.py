@@ -1211,11 +1211,13 @@ def test_dockerfile() -> None:
     # dependencies: exactly the locked files, hashes checked
     (install,) = [ln for ln in lines if ln.startswith("RUN ") and "requirements.lock" in ln]
     assert "--require-hashes" in install and "-r requirements.lock" in install
-    # the compiled key function: its build script is copied, the build stage has a compiler,
-    # and the build fails unless it was built (setuptools treats it as optional)
+    # the C extensions (the key function, the untracked id tuples): their build script is
+    # copied, the build stage has a compiler, and the build fails unless both were built
+    # (setuptools treats them as optional)
     assert "setup.py" in copied and "**/*.so" in ignore
     build_stage = text.split("\nFROM ")[1]
-    assert "gcc" in build_stage and 'python -c "import gateway.routing._ckeys"' in build_stage
+    check = 'python -c "import gateway.routing._ckeys, gateway.tokenization._ids"'
+    assert "gcc" in build_stage and check in build_stage
 
 
 def locked() -> dict[str, str]:
