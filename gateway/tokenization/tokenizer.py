@@ -698,15 +698,20 @@ class Tokenizer:
                 chunked = True
         remembered = None
         if plan.key is not None and cut[1] > len(plan.head):
-            # the head is a tuple already: copy only what follows it (a long chat's ids
-            # are copied once here, not twice through a list slice)
-            remembered = untracked_ints(plan.head + tuple(out[len(plan.head) : cut[1]]))
-            self._cache.put_prefix(plan.key, Prefix(plan.text, cut[0], remembered))
+            remembered = self._remember(plan.key, plan.text, cut, plan.head, out)
         if plan.lead is not None and lead_cut[1] > len(plan.head):
-            lead_ids = untracked_ints(plan.head + tuple(out[len(plan.head) : lead_cut[1]]))
-            lead_text = plan.text[: plan.lead[1]]
-            self._cache.put_prefix(plan.lead[0], Prefix(lead_text, lead_cut[0], lead_ids))
+            self._remember(plan.lead[0], plan.text[: plan.lead[1]], lead_cut, plan.head, out)
         return ChatIds(out, plan.head, remembered)
+
+    def _remember(
+        self, key: int, text: str, cut: tuple[int, int], head: Ids, out: list[int]
+    ) -> Ids:
+        """Cache ``out`` up to ``cut`` (text offset, id count) as the prefix of ``text``."""
+        # the head is a tuple already: copy only what follows it (a long chat's ids are
+        # copied once here, not twice through a list slice)
+        ids = untracked_ints(head + tuple(out[len(head) : cut[1]]))
+        self._cache.put_prefix(key, Prefix(text, cut[0], ids))
+        return ids
 
     def _store(self, plan: Plan, encoded: list[list[int]]) -> dict[str, Ids]:
         """Cache the plan's newly encoded pieces; the map from piece to ids."""
