@@ -52,6 +52,9 @@ class RedisSettings:
     #: ``sentinel_master`` (``url`` is then unused)
     sentinels: list[str] = field(default_factory=list)
     sentinel_master: str = ""
+    #: seconds from one read of the KV-event streams that returned entries to the next: the
+    #: entries that arrive in between come in one round trip (it bounds the lag it adds)
+    read_interval: float = 0.01
 
     @property
     def enabled(self) -> bool:
@@ -64,6 +67,8 @@ class RedisSettings:
             raise ConfigError("redis.cluster: needs redis.url (any node of the cluster)")
         if self.sentinels and not self.sentinel_master:
             raise ConfigError("redis.sentinels: needs redis.sentinel_master (the primary's name)")
+        if not 0.0 <= self.read_interval <= 1.0:
+            raise ConfigError("redis.read_interval: must be between 0 and 1 (seconds)")
 
 
 @dataclass
@@ -109,6 +114,12 @@ class PoolSettings:
     #: ... and only when that uncached text is at most this fraction of the prompt's tokens
     #: (estimated), which bounds what the decision can miss: a worker's match on that text
     tokenize_overlap_fraction: float = 0.125
+    #: a chat turn of a known conversation is routed on the ids its previous turn left
+    #: (found by its messages, before the render) and sent while it is rendered and its new
+    #: text encoded; the exact ids then complete the keys and the speculative insert and
+    #: decide the context check before the first byte reaches the client (the same fraction
+    #: bounds what the decision can miss)
+    tokenize_overlap_chats: bool = True
     static_workers: list[StaticWorker] = field(default_factory=list)
     #: LoRA adapters every worker of the pool serves (engines started with the same
     #: ``--lora-modules``); a request names one as its ``model``. Workers also register the

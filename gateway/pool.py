@@ -10,18 +10,23 @@ A completion prompt whose new text is a small part of it can be routed before th
 encoded (``PoolSettings.tokenize_overlap_chars``): ``prepare`` returns its known first ids,
 the rest is encoded on a worker thread while the request is routed and sent, and
 ``Prepared.ready`` (awaited before the first byte reaches the client) gives the exact ids, or
-the error the exact ids call for.
+the error the exact ids call for. A chat turn of a conversation the tokenizer remembers is
+routed likewise on the ids its previous turn left (``PoolSettings.tokenize_overlap_chats``):
+found by its messages before the render, they are a guess that the render then confirms or
+not; either way the exact ids give the keys, the count and the speculative insert.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from gateway.config import PoolSettings
 from gateway.errors import ApiError, bad_request
@@ -30,10 +35,12 @@ from gateway.routing.adapters import AdapterCatalog
 from gateway.routing.costmodel import CostModel
 from gateway.routing.index import ShadowIndex
 from gateway.routing.keys import BlockKeyer, LazyKeys, PrefixKeys
-from gateway.routing.policy import make_policy
+from gateway.routing.policy import Decision, make_policy
 from gateway.routing.router import Router
 from gateway.tokenization import (
+    ChatDraft,
     ChatIds,
+    KnownChat,
     PromptPlan,
     TokenizationError,
     Tokenizer,
@@ -43,7 +50,12 @@ from gateway.warmup import Warmer
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 __all__ = ["Pool", "Prepared"]
+
+#: event-loop steps an overlapped chat's render waits, so its request is sent before it
+_SEND_FIRST_STEPS = 2
 
 #: the request field holding a chat-like request's conversation
 _MESSAGES_PARAM = {"chat": "messages", "responses": "input", "messages": "messages"}
@@ -66,13 +78,23 @@ class Prepared:
     rest: asyncio.Task[None] | None = None
     #: what the exact ids call for (a prompt too long, text the tokenizer rejects)
     error: ApiError | None = None
-    #: (worker, time) of decisions made on the known ids: ``rest`` speculates the rest there
-    routes: list[tuple[str, float]] = field(default_factory=list)
+    #: (decision, time) of decisions made on the known ids: ``rest`` speculates the rest there
+    routes: list[tuple[Decision, float]] = field(default_factory=list)
+    #: worker -> the tokens it holds of the exact ids (an overlapped chat, from ``rest``):
+    #: what a decision made on the known ids matched, extended past them (:meth:`exact`)
+    matched: dict[str, int] = field(default_factory=dict)
 
     @property
     def pending(self) -> bool:
         """Still routed on known first ids: the rest of them is being encoded."""
         return self.rest is not None and not self.rest.done()
+
+    def exact(self, decision: Decision) -> Decision:
+        """``decision`` with the match its worker has on the exact ids (once ``ready``)."""
+        n = self.matched.get(decision.worker)
+        if n is None or n == decision.matched_tokens:
+            return decision
+        return dataclasses.replace(decision, matched_tokens=n)
 
     async def ready(self) -> None:
         """Wait for the exact ids (an overlapped prompt); raise the error they call for."""
@@ -172,12 +194,19 @@ class Pool:
                 if self.settings.normalize_prompts and req.kind == "chat":
                     messages = normalize_messages(messages)
                     body = req.with_changes(messages=messages)
-                chat = await tok.aencode_chat_ids(
+                draft = tok.draft_chat(
                     messages,
                     tools=req.tools,
                     add_generation_prompt=req.add_generation_prompt,
                     **req.template_kwargs,
                 )
+                known = tok.known_chat(draft) if overlap and self._overlaps_chats else None
+                if known is not None and self._chat_overlaps(known, req.max_tokens):
+                    param = _MESSAGES_PARAM[req.kind]
+                    return self._overlapped_chat(
+                        draft, known, req.max_tokens, adapter, t0, body, param
+                    )
+                chat = await tok.aencode_draft(draft)
             elif req.prompt_ids is not None:
                 chat = ChatIds(req.prompt_ids)
                 vocab = tok.vocab_size
@@ -228,6 +257,98 @@ class Pool:
             and too_long(planned.estimate, max_tokens, s.max_model_len) is None
         )
 
+    @property
+    def _overlaps_chats(self) -> bool:
+        s = self.settings
+        return s.tokenize_overlap_chats and not self.disaggregated
+
+    def _chat_overlaps(self, known: KnownChat, max_tokens: int | None) -> bool:
+        """Whether to route a chat on its previous turn's ids: a whole block known, what
+        follows them a small part of the prompt (by its estimate), and the prompt within the
+        context by its bound."""
+        s = self.settings
+        n = len(known.ids)
+        return (
+            n >= s.block_size
+            and known.estimate <= s.tokenize_overlap_fraction * (n + known.estimate)
+            and too_long(n + known.bound, max_tokens, s.max_model_len) is None
+        )
+
+    def _overlapped_chat(
+        self,
+        draft: ChatDraft,
+        known: KnownChat,
+        max_tokens: int | None,
+        adapter: str | None,
+        t0: float,
+        body: bytes | None,
+        param: str,
+    ) -> Prepared:
+        t1 = time.perf_counter()
+        root = self.keyer.adapter_root(adapter)
+        keys = self.prefix_keys.lazy(known.ids, known.ids, None, root)
+        prep = Prepared(
+            len(known.ids) + known.estimate, keys, t1 - t0, 0.0, body, adapter, known.ids
+        )
+        prep.rest = asyncio.get_running_loop().create_task(
+            self._finish_chat(prep, draft, known, max_tokens, param),
+            name="kvroute-tokenize-chat",
+        )
+        return prep
+
+    async def _finish_chat(
+        self,
+        prep: Prepared,
+        draft: ChatDraft,
+        known: KnownChat,
+        max_tokens: int | None,
+        param: str,
+    ) -> None:
+        """The exact ids of an overlapped chat, checked as ``prepare`` checks them; its keys
+        (those of the known ids kept when the render starts with them) and the speculative
+        inserts of the decisions made so far completed."""
+        # the request goes out first: on Python 3.11 aiohttp writes its body from a task
+        # created on the send, queued behind this one
+        for _ in range(_SEND_FIRST_STEPS):
+            await asyncio.sleep(0)
+        chat = await self._exactly(prep, self.tokenizer.aencode_draft(draft, known), param)
+        if chat is None:
+            return
+        ids = chat.ids
+        if not ids:
+            prep.error = bad_request("the prompt is empty after tokenization", code="empty_prompt")
+            return
+        prep.error = too_long(len(ids), max_tokens, self.settings.max_model_len)
+        if prep.error is not None:
+            return
+        self.router.index.settle()
+        keys = self.prefix_keys.lazy(ids, chat.reused, chat.remembered, prep.keys.root)
+        # the render started with the known ids: their keys (and inserts) stand
+        start = len(prep.keys) if chat.reused is known.ids else 0
+        self._match_exact(prep, keys, start)
+        prep.keys, prep.ids, prep.prompt_tokens = keys, ids, len(ids)
+        self._speculate_rest(prep, start)
+
+    def _match_exact(self, prep: Prepared, keys: LazyKeys, known: int) -> None:
+        """``prep.matched``: what each decision's worker holds of the exact ``keys``, before
+        the rest of them is speculated there. A decision that matched all ``known`` blocks
+        (the known ids' keys, which ``keys`` start with) may match more of the exact ids: the
+        previous turn's last blocks and its reply, which the engine cached after it. One that
+        stopped short matched the same on the exact ids. With ``known`` 0 (the render did not
+        start with the known ids) the decision's match was on other keys: measured afresh."""
+        bs = self.settings.block_size
+        index = self.router.index
+        masks: list[tuple[int, int]] | None = None
+        live = set(index.workers())
+        for decision, _ in prep.routes:
+            if decision.worker not in live or (known and decision.matched_tokens < known * bs):
+                continue
+            if masks is None:
+                masks = index.match_masks(keys)
+            bit = index.bit(decision.worker)
+            blocks = next((n for n, bits in masks if bits & bit), 0)
+            prep.matched[decision.worker] = blocks * bs
+
     def _overlapped(
         self, planned: PromptPlan, max_tokens: int | None, adapter: str | None, t0: float
     ) -> Prepared:
@@ -243,31 +364,46 @@ class Pool:
     async def _finish(self, prep: Prepared, planned: PromptPlan, max_tokens: int | None) -> None:
         """The rest of an overlapped prompt: its exact ids, checked as ``prepare`` checks them,
         and its keys and the speculative inserts of the decisions made so far completed."""
-        try:
-            ids = await self.tokenizer.aencode_planned(planned, thread=True)
-        except (TokenizationError, UnicodeError) as exc:
-            prep.error = _invalid_prompt(exc, "prompt")
-            return
-        except Exception:  # the request still gets an answer, and the task no stray error
-            log.exception("pool %s: encoding the rest of a prompt failed", self.name)
-            prep.error = ApiError(
-                500, "tokenization failed", "internal_error", code="internal_error"
-            )
+        ids = await self._exactly(
+            prep, self.tokenizer.aencode_planned(planned, thread=True), "prompt"
+        )
+        if ids is None:
             return
         prep.error = too_long(len(ids), max_tokens, self.settings.max_model_len)
         if prep.error is not None:  # the engine is not to hold what it will reject
             return
-        index = self.router.index
-        index.settle()  # inserts pending on the known keys go first; the rest once, below
-        keys = prep.keys
-        start = len(keys)
-        keys.extend(ids)
+        # inserts pending on the known keys go first; the rest once, below
+        self.router.index.settle()
+        start = len(prep.keys)
+        prep.keys.extend(ids)
         prep.ids, prep.prompt_tokens = ids, len(ids)
-        if start < len(keys) and self.router.speculate:
-            live = set(index.workers())
-            for worker, now in prep.routes:
-                if worker in live:  # not removed meanwhile
-                    index.speculate(worker, keys, now, start=start)
+        self._speculate_rest(prep, start)
+
+    async def _exactly(self, prep: Prepared, encode: Awaitable[T], param: str) -> T | None:
+        """An overlapped prompt's exact encode, or None with ``prep.error`` set to what its
+        failure calls for (the request still gets an answer, the task no stray error)."""
+        try:
+            return await encode
+        except (TokenizationError, UnicodeError) as exc:
+            prep.error = _invalid_prompt(exc, param)
+        except Exception:
+            log.exception("pool %s: encoding the rest of a prompt failed", self.name)
+            prep.error = ApiError(
+                500, "tokenization failed", "internal_error", code="internal_error"
+            )
+        return None
+
+    def _speculate_rest(self, prep: Prepared, start: int) -> None:
+        """Attribute ``prep.keys[start:]`` (exact now) to the workers routed on the known
+        ids, as the decisions would have had they seen them (those still in the pool)."""
+        keys = prep.keys
+        if start >= len(keys) or not self.router.speculate:
+            return
+        index = self.router.index
+        live = set(index.workers())
+        for decision, now in prep.routes:
+            if decision.worker in live:
+                index.speculate(decision.worker, keys, now, start=start)
 
 
 def _invalid_prompt(exc: Exception, param: str) -> ApiError:

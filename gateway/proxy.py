@@ -301,7 +301,7 @@ class Proxy:
                 break
             self.metrics.decision.labels(pool.name).observe(time.perf_counter() - t0)
             if prep.pending:  # decided on the known ids: the rest is speculated there too
-                prep.routes.append((decision.worker, now))
+                prep.routes.append((decision, now))
             asyncio.get_running_loop().call_soon(pool.settle, prep)  # once forwarded
             try:
                 if decode is not None:
@@ -323,7 +323,7 @@ class Proxy:
                 log.info("retrying request away from %s: %s", failed, exc)
                 continue
             # the usage is the answering worker's (a pair's decode half): judge its prediction
-            served = decode or decision
+            served = decode or prep.exact(decision)
             self.registry.observe(pool.name, served, _cached(request.get(USAGE)), self.clock())
             if self.request_log is not None:
                 self._log_request(
@@ -405,6 +405,7 @@ class Proxy:
                 ws.ttft.observe(now - ticket.sent_at)
                 if prep.rest is not None:  # the exact ids (encoded meanwhile) decide
                     await prep.ready()
+                    decision = prep.exact(decision)
                 m.requests.labels(pool.name, wid, decision.reason).inc()
                 ws.prompt_tokens.inc(prep.prompt_tokens)
                 ws.matched_tokens.inc(decision.matched_tokens)

@@ -120,7 +120,13 @@ class Gateway:
             cfg.limits.max_concurrency, cfg.limits.queue_size, cfg.limits.queue_timeout
         )
         self.consumer = (
-            Consumer(self.bus, self.index, ConsumerConfig(antientropy=cfg.trust.antientropy))
+            Consumer(
+                self.bus,
+                self.index,
+                ConsumerConfig(
+                    antientropy=cfg.trust.antientropy, read_interval=cfg.redis.read_interval
+                ),
+            )
             if self.bus is not None
             else None
         )

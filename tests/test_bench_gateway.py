@@ -238,6 +238,10 @@ def test_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     kv = r["systems"][gw.KVROUTE]
     assert r["added_latency_p50_ms"] == kv["added_p50_ms"]
     assert r["targets"] == kv["checks"]
+    # kvroute's own counters: its KV events read, and its new turns routed on their
+    # conversation's known ids (all but each conversation's first turn)
+    assert kv["event_reads_per_request"] > 0 and kv["entries_per_event_read"] >= 1
+    assert kv["overlapped_fraction"] > 0.5
 
     p6 = r["p6"]
     assert set(p6["runs"]) == {*r["systems"], "direct"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -341,3 +342,43 @@ async def test_a_fleets_reports_are_applied_in_steps_that_let_requests_run() -> 
     seen.clear()
     await consumer._update_reports(reports)  # nothing changed: nothing emitted
     assert seen == []
+
+
+class ReadLog(MemoryBus):
+    """Records when each read started and how many entries it returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[float, int]] = []
+
+    async def read(self, *args: Any, **kwargs: Any) -> list[StreamRead]:
+        started = time.monotonic()
+        got = await super().read(*args, **kwargs)
+        self.reads.append((started, sum(len(r.entries) for r in got)))
+        return got
+
+
+async def test_entries_arriving_within_the_read_interval_come_in_one_read() -> None:
+    """``read_interval``: after a read that returned entries the consumer waits out the
+    interval, so entries appended one by one meanwhile cost one round trip, not one each."""
+    bus = ReadLog()
+    w = Writer("w0")
+    await w.publish(bus, [w.entry([Cleared()])])
+    await bus.register(WorkerInfo("w0", "http://x", "m", epoch=1), ttl=60)
+    interval = 1.0
+    config = ConsumerConfig(block_ms=20, poll_interval=0.02, expiry_grace=0)
+    config.read_interval = interval
+    async with Consumer(bus, config=config) as c:
+        await c.wait_synced(5)
+        await wait_until(lambda: c.applier.cursor("w0").seq == w.seq, 5, "the start")
+        before = len(bus.reads)
+        await w.publish(bus, [w.entry(w.random_events())])
+        await wait_until(lambda: c.applier.cursor("w0").seq == w.seq, 5, "first entry")
+        first = next(i for i in range(before, len(bus.reads)) if bus.reads[i][1])
+        for _ in range(10):  # one append each, the consumer free to run between them
+            await w.publish(bus, [w.entry(w.random_events())])
+            await asyncio.sleep(0)
+        await wait_until(lambda: c.index.worker_keys("w0") == w.mirror.keys(), 5, "all ten")
+        later = [(t, n) for t, n in bus.reads[first + 1 :] if n]
+        assert [n for _, n in later] == [10]  # one read for the ten
+        assert later[0][0] - bus.reads[first][0] >= interval

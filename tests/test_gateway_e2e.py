@@ -222,7 +222,19 @@ def test_streams_keep_their_worker_connection_alive(tmp_path: Path) -> None:
         assert len(used) <= 1, f"{len(used)} new connections for 20 streams"
 
 
+def _sums(metrics: bytes, *names: str) -> list[float]:
+    """Each named counter summed over its labels (``name{...} value`` lines)."""
+    lines = metrics.decode().splitlines()
+    return [sum(float(x.split()[-1]) for x in lines if x.startswith(n + "{")) for n in names]
+
+
 def test_multi_turn_follow_ups_land_on_the_prefix_holder_and_hit_the_cache(stack: Stack) -> None:
+    """Follow-ups go to their conversation's worker and hit its cache. They are routed on the
+    ids the previous turn left (``tokenize_overlap_chats``) and rendered meanwhile: the
+    gateway's count of each prompt is still the engine's."""
+    counters = ("kvroute_tokenization_overlapped_total", "kvroute_prompt_tokens_total")
+    counters += ("kvroute_delivered_prompt_tokens_total",)
+    before = _sums(get(stack.gateway_urls[0] + "/metrics")[1], *counters)
     c = client(stack)
     msgs: list[dict[str, str]] = [{"role": "system", "content": text(10, 600)}]
     workers, cached = [], []
@@ -242,6 +254,13 @@ def test_multi_turn_follow_ups_land_on_the_prefix_holder_and_hit_the_cache(stack
     # the gateway's prediction matched what the engine delivered
     _, metrics = get(stack.gateway_urls[0] + "/metrics")
     assert b"kvroute_delivered_cached_tokens_total" in metrics
+    overlapped, counted, delivered = (
+        a - b for a, b in zip(_sums(metrics, *counters), before, strict=True)
+    )
+    # the last three follow-ups were routed before their render (the first one's new text,
+    # two questions and a reply, is more than tokenize_overlap_fraction of this short chat)
+    assert overlapped >= 3
+    assert counted == delivered == sum(total for _, total in cached)
 
 
 def test_errors_are_openai_shaped_4xx(stack: Stack) -> None:

@@ -369,6 +369,23 @@ def test_pool_tokenize_thread_chars_sets_the_offload_and_zero_turns_it_off() -> 
         bad.validate()
 
 
+def test_the_event_read_interval_reaches_the_consumer_and_is_bounded() -> None:
+    from gateway.config import ConfigError, GatewayConfig, PoolSettings, RedisSettings
+    from gateway.contract.bus import MemoryBus
+    from gateway.server import Gateway
+    from gateway.tokenization import bundled_test_tokenizer
+
+    pools = [PoolSettings("m", str(bundled_test_tokenizer()), chat_template="deepseek-v3")]
+    cfg = GatewayConfig(pools=pools, redis=RedisSettings("redis://127.0.0.1:9", read_interval=0.25))
+    cfg.validate()
+    gw = Gateway(cfg, bus=MemoryBus())
+    assert gw.consumer is not None and gw.consumer.config.read_interval == 0.25
+    for bad in (-0.1, 1.5):
+        cfg.redis.read_interval = bad
+        with pytest.raises(ConfigError, match=r"redis\.read_interval: must be between 0 and 1"):
+            cfg.validate()
+
+
 def test_pool_says_when_its_tokenizer_encodes_whole(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -5,6 +5,7 @@ encoded first, and the exact ids still decide the errors."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Iterator
 
@@ -63,7 +64,7 @@ def test_an_overlapped_prompt_ends_with_the_exact_ids_keys_and_speculation(
         assert known < len(exact) and list(prep.ids) == exact[:known]
         assert abs(prep.prompt_tokens - len(exact)) < 0.01 * len(exact)  # an estimate
         decision = pool.router.route(prep.keys, prep.prompt_tokens, 1.0)
-        prep.routes.append((decision.worker, 1.0))
+        prep.routes.append((decision, 1.0))
         pool.settle(prep)
         await prep.ready()
         assert not prep.pending and prep.error is None
@@ -172,3 +173,201 @@ def test_only_clients_and_gateways_that_need_no_exact_count_first_overlap() -> N
     ):
         gw = SimpleNamespace(proxy=SimpleNamespace(request_log=log))
         assert Gateway._may_overlap(gw, who) is expected  # type: ignore[arg-type]
+
+
+# -- chats: routed on the ids their previous turn left ---------------------------------------
+
+SYSTEM = DOCUMENT[:12000]
+
+
+def chat(messages: list[dict[str, str]], max_tokens: int = 16) -> ClientRequest:
+    raw = json.dumps({"model": "m", "messages": messages, "max_tokens": max_tokens}).encode()
+    return parse_body(raw, "chat")
+
+
+def turns(n: int) -> list[dict[str, str]]:
+    """A conversation under SYSTEM ending with its n-th question."""
+    out = [{"role": "system", "content": SYSTEM}]
+    for i in range(n):
+        if i:
+            out.append({"role": "assistant", "content": f"Answer {i}: {WORDS[i % 6]} it is."})
+        out.append({"role": "user", "content": f"Question {i}: why {WORDS[(i + 2) % 6]}?"})
+    return out
+
+
+def exact_chat_ids(
+    pool: Pool, plain: tokenizers.Tokenizer, messages: list[dict[str, str]]
+) -> list[int]:
+    """A full render and a plain HF encode: what every path must give."""
+    text = pool.tokenizer.render_chat(messages)
+    return list(plain.encode(text, add_special_tokens=False).ids)
+
+
+def test_an_overlapped_chat_ends_with_the_exact_ids_keys_and_speculation(
+    pool: Pool, plain: tokenizers.Tokenizer
+) -> None:
+    async def run() -> None:
+        first = await pool.prepare(chat(turns(1)), overlap=True)
+        assert first.rest is None  # a new conversation: nothing known, encoded first
+        for n in (2, 3, 4):
+            messages = turns(n)
+            exact = exact_chat_ids(pool, plain, messages)
+            prep = await pool.prepare(chat(messages), overlap=True)
+            assert prep.pending, "a known conversation's turn is routed before its render"
+            known = len(prep.ids)
+            assert BS <= known < len(exact) and list(prep.ids) == exact[:known]
+            assert abs(prep.prompt_tokens - len(exact)) < 0.05 * len(exact)  # an estimate
+            decision = pool.router.route(prep.keys, prep.prompt_tokens, float(n))
+            prep.routes.append((decision, float(n)))
+            pool.settle(prep)
+            await prep.ready()
+            assert not prep.pending and prep.error is None
+            assert list(prep.ids) == exact and prep.prompt_tokens == len(exact)
+            full = pool.keyer.keys(exact)
+            assert prep.keys.all() == full
+            masks = pool.router.index.match_masks(full)
+            assert masks[0][0] == len(full) and masks[0][1] & pool.router.index.bit(decision.worker)
+        # a later turn's keys still start from the remembered turn's (no hashing from scratch)
+        hits = pool.prefix_keys.hits
+        prep = await pool.prepare(chat(turns(5)), overlap=True)
+        assert prep.pending and pool.prefix_keys.hits == hits + 1
+        await prep.ready()
+        assert pool.prefix_keys.hits == hits + 2
+        assert prep.keys.all() == pool.keyer.keys(exact_chat_ids(pool, plain, turns(5)))
+
+    asyncio.run(run())
+
+
+def test_an_overlapped_chats_match_is_measured_on_its_exact_ids(
+    pool: Pool, plain: tokenizers.Tokenizer
+) -> None:
+    """The worker holds the previous turn whole (its last blocks past the remembered cut, and
+    its reply): a decision on the known ids matches only as far as they go, and the match it
+    reports once the exact ids are known is what the worker holds of them, as a decision on
+    the exact ids would have said."""
+    index = pool.router.index
+
+    async def run() -> None:
+        await pool.prepare(chat(turns(2)), overlap=True)
+        # the engine computed turn 2 and its reply: all of turn 3's prompt but its question
+        held = pool.keyer.keys(exact_chat_ids(pool, plain, turns(3))[:-12])
+        index.stored("w0", None, held)
+        prep = await pool.prepare(chat(turns(3)), overlap=True)
+        assert prep.pending
+        decision = pool.router.route(prep.keys, prep.prompt_tokens, 1.0)
+        assert decision.worker == "w0" and decision.matched_tokens == len(prep.keys) * BS
+        prep.routes.append((decision, 1.0))
+        pool.settle(prep)
+        await prep.ready()
+        exact = prep.keys.all()
+        common = next(i for i, (a, b) in enumerate(zip([*held, -1], exact, strict=False)) if a != b)
+        assert common * BS > decision.matched_tokens  # more than the known ids reached
+        assert prep.exact(decision).matched_tokens == common * BS
+        assert prep.exact(decision).worker == "w0" and decision.matched_tokens < common * BS
+        # a worker the decision did not choose is left as it was
+        other = dataclasses.replace(decision, worker="w1")
+        assert prep.exact(other) is other
+
+    asyncio.run(run())
+
+
+def test_a_chat_is_encoded_first_when_overlap_is_off_or_unsafe() -> None:
+    for kw, overlap in (({"tokenize_overlap_chats": False}, True), ({}, False)):
+        p = make_pool(**kw)
+
+        async def run(p: Pool = p, overlap: bool = overlap) -> None:
+            await p.prepare(chat(turns(1)), overlap=True)
+            prep = await p.prepare(chat(turns(2)), overlap=overlap)
+            assert prep.rest is None and len(prep.ids) == prep.prompt_tokens
+
+        asyncio.run(run())
+        p.tokenizer.close()
+    p = make_pool()
+
+    async def unsafe() -> None:
+        await p.prepare(chat(turns(1)), overlap=True)
+        # new text that may be most of the prompt: the decision could miss much
+        long = [*turns(2)[:-1], {"role": "user", "content": DOCUMENT[:20000]}]
+        assert (await p.prepare(chat(long), overlap=True)).rest is None
+        # a bound past the context is checked exactly before anything is sent
+        with pytest.raises(ApiError) as err:
+            await p.prepare(chat(turns(2), max_tokens=10**6), overlap=True)
+        assert err.value.code == "context_length_exceeded"
+
+    asyncio.run(unsafe())
+    p.tokenizer.close()
+
+
+# the message count leads the render: no turn's text starts with the previous turn's
+COUNTING = (
+    "{{ bos_token }}{{ messages | length }} messages."
+    "{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+    "{% elif m.role == 'assistant' %}<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>"
+    "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+
+
+def test_a_render_that_does_not_start_with_the_known_ids(plain: tokenizers.Tokenizer) -> None:
+    """The guess is wrong: the keys, ids and speculation are those of the exact ids all the
+    same, and a template whose guesses keep missing is no longer guessed for."""
+    settings = PoolSettings("m", str(PATH), chat_template=COUNTING, block_size=BS)
+    p = Pool(settings, ShadowIndex(speculative_ttl=60.0), "seed")
+    for w in ("w0", "w1"):
+        p.router.add_worker(w)
+
+    async def run() -> None:
+        await p.prepare(chat(turns(1)), overlap=True)
+        pending = 0
+        for n in range(2, 9):
+            messages = turns(n)
+            exact = exact_chat_ids(p, plain, messages)
+            prep = await p.prepare(chat(messages), overlap=True)
+            if prep.pending:
+                pending += 1
+                assert list(prep.ids) != exact[: len(prep.ids)]  # a wrong guess
+                decision = p.router.route(prep.keys, prep.prompt_tokens, float(n))
+                prep.routes.append((decision, float(n)))
+                p.settle(prep)
+                await prep.ready()
+                full = p.keyer.keys(exact)
+                masks = p.router.index.match_masks(full)
+                assert masks[0][0] == len(full)
+                assert masks[0][1] & p.router.index.bit(decision.worker)
+            assert list(prep.ids) == exact and prep.keys.all() == p.keyer.keys(exact)
+        assert pending == 3  # three misses, then the template is encoded first
+
+    asyncio.run(run())
+    p.tokenizer.close()
+
+
+def test_the_exact_ids_decide_a_chats_context_check(plain: tokenizers.Tokenizer) -> None:
+    """Template text the bound does not foresee (a long note once a chat has four messages):
+    the bound fits the context, the exact count does not, and ``ready`` raises the error a
+    first encode would have raised."""
+    note = "{% if messages | length > 3 %}" + " note" * 1000 + "{% endif %}"
+    template = COUNTING.replace("{{ messages | length }} messages.", "") + note
+    settings = PoolSettings("m", str(PATH), chat_template=template, block_size=BS)
+
+    async def run() -> None:
+        probe = Pool(settings, ShadowIndex(), "seed")
+        exact = len(exact_chat_ids(probe, plain, turns(2)))
+        probe.tokenizer.close()
+        small = PoolSettings(
+            "m", str(PATH), chat_template=template, block_size=BS, max_model_len=exact - 500
+        )
+        p = Pool(small, ShadowIndex(), "seed")
+        p.router.add_worker("w0")
+        await p.prepare(chat(turns(1), max_tokens=16), overlap=True)
+        prep = await p.prepare(chat(turns(2), max_tokens=16), overlap=True)
+        assert prep.pending and prep.prompt_tokens + 16 <= exact - 500
+        with pytest.raises(ApiError) as err:
+            await prep.ready()
+        assert err.value.code == "context_length_exceeded"
+        assert f"({exact} in the messages" in err.value.message
+        with pytest.raises(ApiError) as direct:
+            await p.prepare(chat(turns(2), max_tokens=16))
+        assert direct.value.message == err.value.message
+        p.tokenizer.close()
+
+    asyncio.run(run())

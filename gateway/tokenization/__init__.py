@@ -18,13 +18,21 @@ The map, in the order a chat flows through it:
 
 from gateway.tokenization.messages import normalize_messages, prepare_messages, prepare_tools
 from gateway.tokenization.template import TEMPLATES_DIR, bundled_templates, detect_content_format
-from gateway.tokenization.tokenizer import PromptPlan, Tokenizer, bundled_test_tokenizer
+from gateway.tokenization.tokenizer import (
+    ChatDraft,
+    KnownChat,
+    PromptPlan,
+    Tokenizer,
+    bundled_test_tokenizer,
+)
 from gateway.tokenization.types import ChatIds, ContentFormat, TokenizationError, TokenizerStats
 
 __all__ = [
     "TEMPLATES_DIR",
+    "ChatDraft",
     "ChatIds",
     "ContentFormat",
+    "KnownChat",
     "PromptPlan",
     "TokenizationError",
     "Tokenizer",

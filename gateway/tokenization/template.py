@@ -319,12 +319,12 @@ def model_templates(directory: Path | None) -> dict[str, str]:
 def named_template(spec: str | Path) -> tuple[str, str]:
     """(source, origin) of a template given by bundled name, file path or literal text."""
     if isinstance(spec, str):
+        if "{{" in spec or "{%" in spec:  # before any file lookup: a long one is no file name
+            return spec, "literal"
         name = TEMPLATE_ALIASES.get(spec, spec)
         bundled = TEMPLATES_DIR / f"{name}.jinja"
         if "/" not in name and bundled.is_file():
             return bundled.read_text(encoding="utf-8"), f"bundled:{name}"
-        if "{{" in spec or "{%" in spec:
-            return spec, "literal"
     path = Path(spec)
     if path.is_file():
         return path.read_text(encoding="utf-8"), str(path)

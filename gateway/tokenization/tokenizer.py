@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -101,6 +102,55 @@ class PromptPlan:
             else:
                 out.extend(ids)
         return out
+
+
+@dataclass
+class ChatDraft:
+    """A chat request checked, prepared and keyed, not yet rendered (:meth:`Tokenizer.draft_chat`):
+    enough to find an earlier turn's ids (:meth:`Tokenizer.known_chat`) before the render."""
+
+    name: str  # the template's
+    prepared: list[dict[str, Any]]
+    keys: list[int]  # conversation keys of its message prefixes
+    tools: list[dict[str, Any]] | None
+    add_generation_prompt: bool
+    context: dict[str, Any]  # the template's other variables
+
+
+@dataclass(frozen=True)
+class KnownChat:
+    """The ids an earlier turn left under a drafted chat's conversation key: the ids its
+    render is expected to start with, which only the render confirms
+    (:meth:`Tokenizer.aencode_draft`). What follows them: ``bound`` tokens at most (the UTF-8
+    bytes of the text they do not cover, plus a margin per message for the template's own
+    text), about ``estimate`` (that text at the tokenizer's ratio of tokens to characters)."""
+
+    ids: Ids
+    bound: int
+    estimate: int
+
+
+#: the template's own text around one message, at most (``KnownChat.bound``)
+_MESSAGE_MARGIN_TOKENS = 64
+#: a template stops being guessed for (``Tokenizer.known_chat``) once its misses exceed
+#: 1/_GUESS_MISS_RATIO of its guesses plus this slack (a prefix evicted between the guess and
+#: the render is a miss too)
+_GUESS_MISS_SLACK = 16
+_GUESS_MISS_RATIO = 8
+
+
+def _utf8_len(text: str) -> int:
+    """Bytes of ``text`` in UTF-8: at least its tokens, byte-level or byte-fallback."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _message_size(message: dict[str, Any]) -> int:
+    """UTF-8 bytes of a message's fields (text as it is, other values as JSON): at least the
+    tokens they render to, the template's own text aside."""
+    return sum(
+        _utf8_len(v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
+        for v in message.values()
+    )
 
 
 def _lead_text(prepared: list[dict[str, Any]]) -> str | None:
@@ -218,6 +268,8 @@ class Tokenizer:
         # first pass, a list of ~130,000 ints is walked by every full collection (~10 ms)
         self._ints: tuple[int, ...] = tuple(range(self._id_bound()))
         self._full_encodes = 0
+        # template name -> (guesses of known_chat scored, misses among them)
+        self._guesses: dict[str, tuple[int, int]] = {}
         # characters and tokens of every piece encoded: the ratio ``PromptPlan.estimate`` uses
         self._chars_encoded = _PRIOR_CHARS
         self._tokens_encoded = _PRIOR_CHARS // _PRIOR_CHARS_PER_TOKEN
@@ -524,24 +576,82 @@ class Tokenizer:
     ) -> tuple[str, list[int], str | None]:
         """(prompt text, conversation keys of its message prefixes, the first message's text
         when more messages follow it)."""
+        draft = self.draft_chat(messages, tools, add_generation_prompt, **template_kwargs)
+        return self._render_draft(draft)
+
+    def draft_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> ChatDraft:
+        """The chat checked, prepared and keyed as the render will take it (raises
+        :class:`TokenizationError` for messages the engine would reject)."""
         name = self._template_name(tools)
         if self.normalize:
             messages = normalize_messages(messages)
         prepared = prepare_messages(messages, self._formats[name])
         context = self._context(template_kwargs)
+        keys = conversation_keys(name, prepared)
+        return ChatDraft(name, prepared, keys, tools, add_generation_prompt, context)
+
+    def _render_draft(self, draft: ChatDraft) -> tuple[str, list[int], str | None]:
         try:
-            text = self._templates[name].render(
-                messages=alias_reasoning_fields(prepared),
-                tools=prepare_tools(tools),
+            text = self._templates[draft.name].render(
+                messages=alias_reasoning_fields(draft.prepared),
+                tools=prepare_tools(draft.tools),
                 documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **context,
+                add_generation_prompt=draft.add_generation_prompt,
+                **draft.context,
             )
         except TokenizationError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
             raise TokenizationError(f"chat template failed: {e}") from e
-        return text, conversation_keys(name, prepared), _lead_text(prepared)
+        return text, draft.keys, _lead_text(draft.prepared)
+
+    def known_chat(self, draft: ChatDraft) -> KnownChat | None:
+        """The ids of the longest earlier turn remembered under ``draft``'s conversation, and
+        a bound on what follows them, before the render: a caller can act on them (the
+        gateway routes on them) while :meth:`aencode_draft` renders and encodes. A guess: the
+        render may not start with that turn's text (a template that renders earlier messages
+        differently once more follow, other tools); a template whose guesses miss is no
+        longer guessed for. None when nothing is remembered (or no incremental cache)."""
+        if self._splitter is None or draft.tools is not None:
+            return None
+        guesses, misses = self._guesses.get(draft.name, (0, 0))
+        if misses * _GUESS_MISS_RATIO > guesses + _GUESS_MISS_SLACK:
+            return None
+        cache, keys = self._cache, draft.keys
+        for j in range(len(keys) - 1, -1, -1):
+            prefix = cache.get_prefix(keys[j])
+            if prefix is None:
+                continue
+            after = draft.prepared[j + 1 :]
+            size = _utf8_len(prefix.text[prefix.cut :])
+            for message in after:
+                size += _message_size(message)
+            bound = size + _MESSAGE_MARGIN_TOKENS * (len(after) + 1)
+            estimate = max(1, round(size * self._tokens_encoded / self._chars_encoded))
+            return KnownChat(prefix.ids, bound, estimate)
+        return None
+
+    async def aencode_draft(self, draft: ChatDraft, known: KnownChat | None = None) -> ChatIds:
+        """:meth:`aencode_chat_ids` of a drafted chat. ``known``: what :meth:`known_chat`
+        guessed, scored (the ids must start with that very prefix)."""
+        text, keys, lead = self._render_draft(draft)
+        plan = self._plan(text, keys, lead)
+        if plan is None:
+            chat = ChatIds(await self.aencode(text, add_special_tokens=False))
+        elif sum(map(len, plan.missing)) < self.thread_threshold_chars:
+            chat = self._finish(plan, self._encode_many(plan.missing))
+        else:
+            chat = self._finish(plan, await self._in_thread(plan.missing, False))
+        if known is not None:
+            guesses, misses = self._guesses.get(draft.name, (0, 0))
+            self._guesses[draft.name] = (guesses + 1, misses + (chat.reused is not known.ids))
+        return chat
 
     def _template_name(self, tools: Any) -> str:
         """As transformers picks among named templates: ``tool_use`` for requests with tools."""
@@ -599,13 +709,8 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> ChatIds:
         """:meth:`aencode_chat` with the remembered prefixes the ids came from."""
-        text, keys, lead = self._render(messages, tools, add_generation_prompt, template_kwargs)
-        plan = self._plan(text, keys, lead)
-        if plan is None:
-            return ChatIds(await self.aencode(text, add_special_tokens=False))
-        if sum(map(len, plan.missing)) < self.thread_threshold_chars:
-            return self._finish(plan, self._encode_many(plan.missing))
-        return self._finish(plan, await self._in_thread(plan.missing, False))
+        draft = self.draft_chat(messages, tools, add_generation_prompt, **template_kwargs)
+        return await self.aencode_draft(draft)
 
     def _plan(self, text: str, keys: list[int], lead: str | None = None) -> Plan | None:
         """Reuse a remembered prefix, cut the rest and look its pieces up; None when the text

@@ -696,6 +696,25 @@ class Router:
     note: str = ""
 
 
+def _gateway_counts(stack: Stack) -> dict[str, float | None]:
+    """What kvroute's own counters say of its P5 phases (warm-ups included): KV-event reads
+    (round trips to Redis) per routed request and entries per read, and the share of
+    requests routed before their prompt was encoded (``tokenize_overlap_chats``)."""
+    requests = stack.metric_sum("kvroute_requests_total")
+    reads = stack.metric_sum("kvroute_event_reads")
+    entries = stack.metric_sum("kvroute_event_entries_read")
+    overlapped = stack.metric_sum("kvroute_tokenization_overlapped_total")
+
+    def ratio(a: float, b: float) -> float | None:
+        return round(a / b, 3) if b else None
+
+    return {
+        "event_reads_per_request": ratio(reads, requests),
+        "entries_per_event_read": ratio(entries, reads),
+        "overlapped_fraction": ratio(overlapped, requests),
+    }
+
+
 def _systems(args: argparse.Namespace) -> list[str]:
     names = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in names:
@@ -798,6 +817,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with Stack(cfg) as stack:
         routers, missing, failed = _start_routers(stack, names)
         phases = _run_async(_p5(stack, routers, args, failed))
+        gateway_counts = _gateway_counts(stack) if KVROUTE in phases else {}
         p6: dict[str, Any] = {}
         if args.throughput_seconds > 0:
             for name, router in routers.items():
@@ -826,6 +846,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, router in routers.items():
         if name in rows:
             rows[name]["note"] = router.note
+    if KVROUTE in rows:
+        rows[KVROUTE].update(gateway_counts)
     smg_row = rows.get(SMG)
     if smg_row is not None and smg_row["pairs"] < MIN_PAIRS:
         smg_row = None
