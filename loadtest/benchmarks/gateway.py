@@ -696,22 +696,32 @@ class Router:
     note: str = ""
 
 
-def _gateway_counts(stack: Stack) -> dict[str, float | None]:
-    """What kvroute's own counters say of its P5 phases (warm-ups included): KV-event reads
-    (round trips to Redis) per routed request and entries per read, and the share of
-    requests routed before their prompt was encoded (``tokenize_overlap_chats``)."""
-    requests = stack.metric_sum("kvroute_requests_total")
-    reads = stack.metric_sum("kvroute_event_reads")
-    entries = stack.metric_sum("kvroute_event_entries_read")
-    overlapped = stack.metric_sum("kvroute_tokenization_overlapped_total")
+#: kvroute's counters read around its P5 phases (``_count_ratios``)
+_COUNTERS = {
+    "requests": "kvroute_requests_total",
+    "reads": "kvroute_event_reads",
+    "entries": "kvroute_event_entries_read",
+    "overlapped": "kvroute_tokenization_overlapped_total",
+}
 
-    def ratio(a: float, b: float) -> float | None:
-        return round(a / b, 3) if b else None
+
+def _counters(stack: Stack) -> dict[str, float]:
+    return {k: stack.metric_sum(name) for k, name in _COUNTERS.items()}
+
+
+def _count_ratios(counts: dict[str, float]) -> dict[str, float | None]:
+    """What kvroute's own counters say of its P5 phases (warm-ups included; the events are
+    the worker's, of the direct twins' requests too): KV-event reads (round trips to Redis)
+    per routed request and entries per read, and the share of requests routed before their
+    prompt was encoded (``tokenize_overlap_chats``)."""
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(counts[a] / counts[b], 3) if counts.get(b) else None
 
     return {
-        "event_reads_per_request": ratio(reads, requests),
-        "entries_per_event_read": ratio(entries, reads),
-        "overlapped_fraction": ratio(overlapped, requests),
+        "event_reads_per_request": ratio("reads", "requests"),
+        "entries_per_event_read": ratio("entries", "reads"),
+        "overlapped_fraction": ratio("overlapped", "requests"),
     }
 
 
@@ -775,10 +785,15 @@ def _client_heap_frozen() -> Iterator[None]:
 
 
 async def _p5(
-    stack: Stack, routers: dict[str, Router], args: argparse.Namespace, failed: dict[str, str]
+    stack: Stack,
+    routers: dict[str, Router],
+    args: argparse.Namespace,
+    failed: dict[str, str],
+    counts: dict[str, float],
 ) -> dict[str, list[Phase]]:
     """Every system's phases; a system whose phase fails (its router died, say) is named in
-    ``failed`` and skipped from then on, with the phases it completed kept."""
+    ``failed`` and skipped from then on, with the phases it completed kept. ``counts``:
+    kvroute's counters over its own phases (``_COUNTERS``)."""
     phases: dict[str, list[Phase]] = {name: [] for name in routers}
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=60)
@@ -792,12 +807,15 @@ async def _p5(
                 if name in failed:
                     continue
                 seed = f"{args.seed}-{rnd}-{name}"
+                before = _counters(stack) if name == KVROUTE else {}
                 try:
                     with _client_heap_frozen():
                         phase = await runner.run_phase(name, router.url, router.pid, seed)
                 except (RuntimeError, OSError, aiohttp.ClientError) as exc:
                     failed[name] = f"round {rnd}: {type(exc).__name__}: {str(exc)[:500]}"
                     continue
+                for k, v in (_counters(stack) if before else {}).items():
+                    counts[k] = counts.get(k, 0.0) + v - before[k]
                 phases[name].append(phase)
     return {name: ph for name, ph in phases.items() if ph}
 
@@ -816,8 +834,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.monotonic()
     with Stack(cfg) as stack:
         routers, missing, failed = _start_routers(stack, names)
-        phases = _run_async(_p5(stack, routers, args, failed))
-        gateway_counts = _gateway_counts(stack) if KVROUTE in phases else {}
+        counts: dict[str, float] = {}
+        phases = _run_async(_p5(stack, routers, args, failed, counts))
         p6: dict[str, Any] = {}
         if args.throughput_seconds > 0:
             for name, router in routers.items():
@@ -847,7 +865,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if name in rows:
             rows[name]["note"] = router.note
     if KVROUTE in rows:
-        rows[KVROUTE].update(gateway_counts)
+        rows[KVROUTE].update(_count_ratios(counts))
     smg_row = rows.get(SMG)
     if smg_row is not None and smg_row["pairs"] < MIN_PAIRS:
         smg_row = None
