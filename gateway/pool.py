@@ -200,7 +200,7 @@ class Pool:
                     add_generation_prompt=req.add_generation_prompt,
                     **req.template_kwargs,
                 )
-                known = tok.known_chat(draft) if overlap and self._overlaps_chats else None
+                known = tok.known_chat(draft) if overlap and self._may_overlap_chats else None
                 if known is not None and self._chat_overlaps(known, req.max_tokens):
                     param = _MESSAGES_PARAM[req.kind]
                     return self._overlapped_chat(
@@ -258,7 +258,8 @@ class Pool:
         )
 
     @property
-    def _overlaps_chats(self) -> bool:
+    def _may_overlap_chats(self) -> bool:
+        """Chats may be routed on their previous turn's ids (the setting; no decode pairs)."""
         s = self.settings
         return s.tokenize_overlap_chats and not self.disaggregated
 

@@ -14,9 +14,10 @@ import tokenizers
 
 from gateway.config import PoolSettings
 from gateway.errors import ApiError
-from gateway.pool import Pool
+from gateway.pool import Pool, Prepared
 from gateway.requests import ClientRequest, parse_body
 from gateway.routing.index import ShadowIndex
+from gateway.routing.policy import Decision
 from gateway.tokenization import bundled_test_tokenizer
 
 PATH = bundled_test_tokenizer()
@@ -46,6 +47,25 @@ def pool() -> Iterator[Pool]:
     p.tokenizer.close()
 
 
+async def route_while_encoded(pool: Pool, prep: Prepared, now: float) -> Decision:
+    """Route ``prep`` on its known ids as the proxy does, then wait for the exact ones."""
+    decision = pool.router.route(prep.keys, prep.prompt_tokens, now)
+    prep.routes.append((decision, now))
+    pool.settle(prep)
+    await prep.ready()
+    return decision
+
+
+def holds_all(pool: Pool, worker: str, keys: list[int]) -> bool:
+    """``worker`` holds (or is attributed) every block of ``keys``."""
+    masks = pool.router.index.match_masks(keys)
+    return (
+        bool(masks)
+        and masks[0][0] == len(keys)
+        and bool(masks[0][1] & pool.router.index.bit(worker))
+    )
+
+
 def completion(prompt: str, max_tokens: int = 16) -> ClientRequest:
     raw = json.dumps({"model": "m", "prompt": prompt, "max_tokens": max_tokens}).encode()
     return parse_body(raw, "completion")
@@ -63,18 +83,12 @@ def test_an_overlapped_prompt_ends_with_the_exact_ids_keys_and_speculation(
         known = len(prep.ids)
         assert known < len(exact) and list(prep.ids) == exact[:known]
         assert abs(prep.prompt_tokens - len(exact)) < 0.01 * len(exact)  # an estimate
-        decision = pool.router.route(prep.keys, prep.prompt_tokens, 1.0)
-        prep.routes.append((decision, 1.0))
-        pool.settle(prep)
-        await prep.ready()
+        decision = await route_while_encoded(pool, prep, 1.0)
         assert not prep.pending and prep.error is None
         assert list(prep.ids) == exact and prep.prompt_tokens == len(exact)
         full = pool.keyer.keys(exact)
         assert prep.keys.all() == full
-        # the routed worker holds every block of the prompt, the other none of it
-        masks = pool.router.index.match_masks(full)
-        bit = pool.router.index.bit(decision.worker)
-        assert masks and masks[0][0] == len(full) and masks[0][1] & bit
+        assert holds_all(pool, decision.worker, full)  # the rest speculated there too
 
     asyncio.run(run())
 
@@ -217,16 +231,12 @@ def test_an_overlapped_chat_ends_with_the_exact_ids_keys_and_speculation(
             known = len(prep.ids)
             assert BS <= known < len(exact) and list(prep.ids) == exact[:known]
             assert abs(prep.prompt_tokens - len(exact)) < 0.05 * len(exact)  # an estimate
-            decision = pool.router.route(prep.keys, prep.prompt_tokens, float(n))
-            prep.routes.append((decision, float(n)))
-            pool.settle(prep)
-            await prep.ready()
+            decision = await route_while_encoded(pool, prep, float(n))
             assert not prep.pending and prep.error is None
             assert list(prep.ids) == exact and prep.prompt_tokens == len(exact)
             full = pool.keyer.keys(exact)
             assert prep.keys.all() == full
-            masks = pool.router.index.match_masks(full)
-            assert masks[0][0] == len(full) and masks[0][1] & pool.router.index.bit(decision.worker)
+            assert holds_all(pool, decision.worker, full)
         # a later turn's keys still start from the remembered turn's (no hashing from scratch)
         hits = pool.prefix_keys.hits
         prep = await pool.prepare(chat(turns(5)), overlap=True)
@@ -254,11 +264,9 @@ def test_an_overlapped_chats_match_is_measured_on_its_exact_ids(
         index.stored("w0", None, held)
         prep = await pool.prepare(chat(turns(3)), overlap=True)
         assert prep.pending
-        decision = pool.router.route(prep.keys, prep.prompt_tokens, 1.0)
-        assert decision.worker == "w0" and decision.matched_tokens == len(prep.keys) * BS
-        prep.routes.append((decision, 1.0))
-        pool.settle(prep)
-        await prep.ready()
+        known = len(prep.keys)
+        decision = await route_while_encoded(pool, prep, 1.0)
+        assert decision.worker == "w0" and decision.matched_tokens == known * BS
         exact = prep.keys.all()
         common = next(i for i, (a, b) in enumerate(zip([*held, -1], exact, strict=False)) if a != b)
         assert common * BS > decision.matched_tokens  # more than the known ids reached
@@ -326,14 +334,8 @@ def test_a_render_that_does_not_start_with_the_known_ids(plain: tokenizers.Token
             if prep.pending:
                 pending += 1
                 assert list(prep.ids) != exact[: len(prep.ids)]  # a wrong guess
-                decision = p.router.route(prep.keys, prep.prompt_tokens, float(n))
-                prep.routes.append((decision, float(n)))
-                p.settle(prep)
-                await prep.ready()
-                full = p.keyer.keys(exact)
-                masks = p.router.index.match_masks(full)
-                assert masks[0][0] == len(full)
-                assert masks[0][1] & p.router.index.bit(decision.worker)
+                decision = await route_while_encoded(p, prep, float(n))
+                assert holds_all(p, decision.worker, p.keyer.keys(exact))
             assert list(prep.ids) == exact and prep.keys.all() == p.keyer.keys(exact)
         assert pending == 3  # three misses, then the template is encoded first
 
