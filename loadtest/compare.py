@@ -631,6 +631,11 @@ def _predicted_and_agreed(stack: Stack, replicas: int) -> tuple[float, float]:
     return predicted, agreed
 
 
+def _served_per_replica(stack: Stack, replicas: int) -> list[int]:
+    """Requests each kvroute replica sent to a worker (``kvroute_requests_total``)."""
+    return [int(stack.metric_sum("kvroute_requests_total", gateway=g)) for g in range(replicas)]
+
+
 def scrape_workers(urls: list[str], dp_size: int = 1) -> dict[str, dict[str, float]]:
     """Per worker (per data-parallel rank, ``worker-<i>.dp<r>``, when workers have several):
     requests finished, prompt tokens, cached prompt tokens (engine counters)."""
@@ -963,12 +968,14 @@ class _Runner:
             )
             per_worker = _delta(scrape_workers(stack.worker_urls, stack.config.dp_size), before)
             precision = None
+            served: list[int] | None = None
             if kvroute:  # the whole run: its gateways started with it, counters at zero
                 # (a window would split requests in flight at its start: predicted counted at
                 # their first token, agreed at their usage)
                 predicted, agreed = _predicted_and_agreed(stack, cfg.replicas)
                 if predicted > 0:
                     precision = round(agreed / predicted, 4)
+                served = _served_per_replica(stack, cfg.replicas)
         finally:
             _stop_peers(stack, peers)
         measured = [
@@ -1013,6 +1020,10 @@ class _Runner:
             # the fraction the engine reported reused (per request min(predicted, reported)),
             # over the whole run; None for peers (no index to check) or no prediction
             "index_precision": precision,
+            # Q4: measured requests by the endpoint (replica) the client sent them to, and
+            # kvroute's replicas' own count of the requests each routed (the whole run)
+            "per_replica": [sum(1 for r in measured if r.endpoint == u) for u in urls],
+            "routed_per_replica": served,
             "warmup_s": round(warmup, 1),
             "ttfts_ms": ttfts,
             # by request (the window's index; None: failed), so that systems pair up
@@ -1189,6 +1200,14 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     if precision:  # Q8: predicted-cached tokens the engines reported reused
         text += "\nIndex precision (Q8, ≥ 0.98): " + "; ".join(precision) + "\n"
+    spread = [
+        f"{r['system']} @ {r['load']:g}: {' / '.join(map(str, r['per_replica']))}"
+        for r in report["results"]
+        if len(r.get("per_replica") or ()) > 1
+    ]
+    if spread:  # Q4: the client's round-robin front over each system's replicas
+        text += "\nMeasured requests per replica (Q4, a round-robin front): " + "; ".join(spread)
+        text += "\n"
     text += _versus_markdown(report.get("versus") or [])
     slo = report.get("capacity_at_slo") or {}
     if slo:

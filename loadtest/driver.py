@@ -57,6 +57,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     worker: str | None = None
+    #: the endpoint (gateway replica) the request was sent to
+    endpoint: str = ""
     status: int = 0
     error: str | None = None
 
@@ -103,6 +105,7 @@ async def _one(
     path, body = _payload(item, cfg)
     headers = {"content-type": "application/json", "x-session-id": item.session, **cfg.headers}
     rec.sent = time.monotonic() - t0
+    rec.endpoint = base
     start = time.monotonic()
     last = start
     try:

@@ -493,3 +493,36 @@ def test_hot_sudden_preset_at_smoke_size(tmp_path: Path) -> None:
         assert 0 < r["hit_rate"] <= r["bound_hit_rate"] + 0.02, r
     kv = rows["kvroute"]
     assert kv["hit_rate"] >= 0.8 * kv["bound_hit_rate"], kv
+
+
+def test_gateway_replicas_behind_a_round_robin_front(tmp_path: Path) -> None:
+    """Q4's setting at smoke size: the client spreads requests over 2 replicas in turn (a
+    conversation's turns land on both), each kvroute replica a process of its own that routes
+    its share by the index all replicas build from Redis; each routes by its own count, and
+    the replicas keep the hit rate of one gateway well above load-blind routing."""
+    params = {**CHAT, "conversations": 30, "think_time": 0.5}
+    cfg = small(
+        tmp_path,
+        ["kvroute", "kvroute-round_robin", "smg-cache_aware"],
+        workload="chat",
+        params=params,
+        mode="chat",
+        replicas=2,
+    )
+    report = run_compare(cfg)
+    rows = {r["system"]: r for r in report["results"]}
+    for r in rows.values():
+        assert "error" not in r and r["failed"] == 0 and r["requests"] > 10, r
+        # the front alternates: the two shares differ by at most one request
+        assert len(r["per_replica"]) == 2 and sum(r["per_replica"]) == r["requests"], r
+        assert abs(r["per_replica"][0] - r["per_replica"][1]) <= 1, r
+    for name in ("kvroute", "kvroute-round_robin"):
+        routed = rows[name]["routed_per_replica"]
+        # each process's own counter: both routed, together at least every measured request
+        assert len(routed) == 2 and min(routed) > 0, rows[name]
+        assert sum(routed) >= rows[name]["requests"], rows[name]
+    assert rows["smg-cache_aware"]["routed_per_replica"] is None
+    assert rows["kvroute"]["hit_rate"] > rows["kvroute-round_robin"]["hit_rate"]
+    text = (Path(cfg.out_dir) / "compare.md").read_text()
+    share = " / ".join(map(str, rows["kvroute"]["per_replica"]))
+    assert f"kvroute @ 0.5: {share}" in text
