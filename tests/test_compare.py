@@ -498,8 +498,8 @@ def test_hot_sudden_preset_at_smoke_size(tmp_path: Path) -> None:
 def test_gateway_replicas_behind_a_round_robin_front(tmp_path: Path) -> None:
     """Q4's setting at smoke size: the client spreads requests over 2 replicas in turn (a
     conversation's turns land on both), each kvroute replica a process of its own that routes
-    its share by the index all replicas build from Redis; each routes by its own count, and
-    the replicas keep the hit rate of one gateway well above load-blind routing."""
+    its share by the index all replicas build from Redis (both count what they routed), and
+    kvroute's replicas hit more than kvroute's round robin behind the same front."""
     params = {**CHAT, "conversations": 30, "think_time": 0.5}
     cfg = small(
         tmp_path,
