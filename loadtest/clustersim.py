@@ -245,6 +245,10 @@ class ClusterConfig:
     cost: CostParams = field(default_factory=CostParams)
     speculative_ttl: float = 5.0  # gateway default (index.speculative_ttl)
     tick_interval: float = 0.1  # the gateway's tick loop
+    #: gateway replicas behind a round-robin front (Q4): each keeps its own shadow index
+    #: (fed by every worker's events), load view (every report, its own requests in flight
+    #: between reports), speculative inserts and policy state, as separate processes do
+    replicas: int = 1
     hash_seed: str = "kvroute-sim"
     keys: Literal["auto", "exact", "fingerprint"] = "auto"
     # agent -> Redis -> gateway
@@ -263,6 +267,8 @@ class ClusterConfig:
             self.workers = len(self.names)
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
+        if self.replicas < 1:
+            raise ValueError("replicas must be >= 1")
         if self.event_lag < 0 or self.report_lag < 0:
             raise ValueError("lags must be >= 0")
         if not (self.report_interval > 0 and self.tick_interval > 0 and self.compute_scale > 0):
@@ -502,6 +508,7 @@ class _Flight:
     at: float
     ticket: Ticket
     worker: int
+    router: Router  # the replica that routed it (and accounts for it)
     first: float = 0.0
 
 
@@ -611,19 +618,31 @@ class ClusterSim:
         cfg = config
         self.names = cfg.worker_names()
         self.keyfn = make_key_function(cfg.keys, cfg.hash_seed, cfg.block_size)
-        self.index = ShadowIndex(speculative_ttl=cfg.speculative_ttl)
-        self.router = Router(
-            make_policy(cfg.policy, **cfg.policy_params),
-            cfg.block_size,
-            index=self.index,
-            cost=CostModel(dataclasses.replace(cfg.cost)),
-            rng=random.Random(cfg.seed),
-        )
+        #: one (index, router) per gateway replica; arrivals go to them in turn
+        self.indexes: list[ShadowIndex] = []
+        self.routers: list[Router] = []
+        for r in range(cfg.replicas):
+            index = ShadowIndex(speculative_ttl=cfg.speculative_ttl)
+            self.indexes.append(index)
+            self.routers.append(
+                Router(
+                    make_policy(cfg.policy, **cfg.policy_params),
+                    cfg.block_size,
+                    index=index,
+                    cost=CostModel(dataclasses.replace(cfg.cost)),
+                    rng=random.Random(cfg.seed if r == 0 else cfg.seed * 1_000_003 + r),
+                )
+            )
+        self.index = self.indexes[0]
+        self.router = self.routers[0]
+        self._next_replica = 0
+        self._routed = [0] * cfg.replicas
         self.workers = [_Worker(i, n, cfg.new_engine()) for i, n in enumerate(self.names)]
         self._by_name = {w.name: w for w in self.workers}
         for w in self.workers:
-            self.router.add_worker(w.name)
-            self.index.add_worker(w.name)
+            for router, index in zip(self.routers, self.indexes, strict=True):
+                router.add_worker(w.name)
+                index.add_worker(w.name)
         # without index use (round robin, ...) KV events need not be turned into keys
         self._index_events = self.router.policy.uses_index
         self._heap: list[tuple[float, int, int, Any, Any]] = []
@@ -720,7 +739,8 @@ class ClusterSim:
                 elif kind == _BUS:
                     self._apply(a, b, t)
                 else:
-                    self.router.tick(t)
+                    for router in self.routers:
+                        router.tick(t)
                     if self._more or self._inflight:
                         self._push(t + cfg.tick_interval, _TICK, None, None)
             elif t_smp <= t_arr:
@@ -747,7 +767,10 @@ class ClusterSim:
         t = a.at
         tokens = a.tokens
         n = len(tokens) // TOKEN_BYTES
-        router = self.router
+        r = self._next_replica
+        router = self.routers[r]
+        self._next_replica = r + 1 if r + 1 < len(self.routers) else 0
+        self._routed[r] += 1
         keys = self.keyfn.keys(tokens)
         exclude = () if a.workers is None else self._by_name.keys() - a.workers
         if self.before_route is not None:
@@ -756,7 +779,7 @@ class ClusterSim:
         if self.after_route is not None:
             self.after_route(a, decision)
         for intent in router.ctx.warmups.drain():
-            self._warm(intent, tokens, t)
+            self._warm(router, intent, tokens, t)
         ticket = router.started(decision, n, t)
         w = self._by_name[decision.worker]
         w.touched_at = t
@@ -764,7 +787,7 @@ class ClusterSim:
             self._revive(w, t)
         if w.mode == _SPAN:
             self._interrupt(w, t)
-        flight = _Flight(a.index, t, ticket, w.i)
+        flight = _Flight(a.index, t, ticket, w.i, router)
         w.muts += 1
         try:
             w.core.add_request(tokens, a.max_tokens, t, tag=flight)
@@ -777,14 +800,14 @@ class ClusterSim:
         if w.mode == _IDLE:
             self._plan(w, max(t, w.core.free_at))
 
-    def _warm(self, intent: WarmupIntent, tokens: bytes, t: float) -> None:
+    def _warm(self, router: Router, intent: WarmupIntent, tokens: bytes, t: float) -> None:
         """A warm-up the policy asked for, as the gateway sends it (``gateway/warmup.py``):
         the prefix alone with one output token, counted as load, not as a request."""
         if self.on_warmup is not None:
             self.on_warmup(intent, t)
         w = self._by_name[intent.worker]
         decision = Decision(w.name, "warmup", "warmup", 0, None)
-        flight = _Flight(-1, t, self.router.started(decision, intent.tokens, t), w.i)
+        flight = _Flight(-1, t, router.started(decision, intent.tokens, t), w.i, router)
         w.touched_at = t
         if w.ghost is not None:
             self._revive(w, t)
@@ -886,7 +909,6 @@ class ClusterSim:
     def _deliver(self, w: _Worker, res: StepResult) -> None:
         """What a step produced, at its end: first tokens, finishes, KV events."""
         now = res.end
-        router = self.router
         if res.decode_seqs:
             w.clock += res.steps
         if res.first_token or res.finished:
@@ -896,7 +918,7 @@ class ClusterSim:
         for req in res.first_token:
             f: _Flight = req.tag
             f.first = now
-            router.first_token(f.ticket, now)
+            f.router.first_token(f.ticket, now)
             if req.max_tokens > 1:
                 heapq.heappush(w.finishes, w.clock + req.max_tokens - 1)
         if res.finished:
@@ -904,7 +926,7 @@ class ClusterSim:
             tab = self._table
             for req in res.finished:
                 f = req.tag
-                router.finished(f.ticket, now)
+                f.router.finished(f.ticket, now)
                 if f.index < 0:  # a warm-up: cost, not a request
                     continue
                 tab.index.append(f.index)
@@ -946,15 +968,15 @@ class ClusterSim:
         self._push(now + self.config.event_lag, _BUS, w, ops)
 
     def _apply(self, w: _Worker, payload: Any, t: float) -> None:
-        index = self.index
         name = w.name
-        for op, parent, keys in payload:
-            if op == _STORE:
-                index.stored(name, parent, keys)
-            elif op == _REMOVE:
-                index.removed(name, keys)
-            else:
-                index.cleared(name)
+        for index in self.indexes:  # every replica consumes every worker's stream
+            for op, parent, keys in payload:
+                if op == _STORE:
+                    index.stored(name, parent, keys)
+                elif op == _REMOVE:
+                    index.removed(name, keys)
+                else:
+                    index.cleared(name)
 
     def _sample(self, t: float) -> None:
         """An agent scrapes its engine's /metrics; the report reaches the gateway later.
@@ -979,6 +1001,7 @@ class ClusterSim:
             and w.touched_at < w.rep_at
             and due - w.rep_at < self.router.loads.report_ttl / 2
             and self.skip_redundant_reports
+            and len(self.routers) == 1  # the skip rule reads one load view
         ):
             st = w.core.stats
             w.ghost = (due, w, (w.rep_vals, st.cache_queries, st.cache_hits, t), w.muts)
@@ -1033,12 +1056,14 @@ class ClusterSim:
             and w.touched_at < w.rep_at
             and t - w.rep_at < loads.report_ttl / 2
             and self.skip_redundant_reports
+            and len(self.routers) == 1
         ):
             self._stats["reports_skipped"] += 1
             return
         running, waiting, kv, wpt = vals
         rep = EngineReport(running, waiting, kv, wpt, queries, hits, ts)
-        loads.report(w.name, rep, t)
+        for router in self.routers:  # every replica reads every worker's reports
+            router.loads.report(w.name, rep, t)
         w.rep_vals = vals
         w.rep_at = t
         w.rep_muts = muts
@@ -1060,6 +1085,7 @@ class ClusterSim:
             "index": dataclasses.asdict(self.index.stats),
             "index_entries": self.index.entries(),
             "cost_scale": round(self.router.ctx.cost.scale, 4),
+            "routed_per_replica": list(self._routed),
         }
         summary = summarize(self._table, self.names, duration, cfg.slo_ttft_ms, self._failed)
         return SimResult(cfg, summary, self._table, duration, dict(self._failed), engine)

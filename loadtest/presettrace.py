@@ -51,21 +51,22 @@ from loadtest.compare import (
 from loadtest.simulate import parse_policy
 from loadtest.workloads import make_workload
 
-__all__ = ["main"]
+__all__ = ["load_rates", "main", "preset_cluster", "preset_config", "preset_stream", "window_ttfts"]
 
 
-def _config(args: argparse.Namespace) -> CompareConfig:
+def preset_config(preset: str, duration: float | None = None) -> CompareConfig:
+    """The compare command's configuration of ``preset`` (``duration``: its measured window)."""
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
-    argv = ["compare", "--preset", args.preset]
-    if args.duration:
-        argv += ["--duration", str(args.duration)]
+    argv = ["compare", "--preset", preset]
+    if duration:
+        argv += ["--duration", str(duration)]
     cfg = cli.compare_config(p.parse_args(argv))
     if cfg.workload == "trace" and not cfg.params.get("path"):
         # the compare writes the preset's synthetic trace window into its out_dir; here it
         # goes to a directory of this process's own
         if cfg.synthetic_trace is None:
-            raise SystemExit(f"preset {args.preset!r}: workload 'trace' needs params.path")
+            raise SystemExit(f"preset {preset!r}: workload 'trace' needs params.path")
         directory = Path(tempfile.mkdtemp(prefix="kvroute-presettrace-"))
         atexit.register(shutil.rmtree, directory, True)
         window = write_trace_window(directory / "trace.jsonl", **asdict(cfg.synthetic_trace))
@@ -73,7 +74,8 @@ def _config(args: argparse.Namespace) -> CompareConfig:
     return cfg
 
 
-def _stream(cfg: CompareConfig, seed: int) -> Stream:
+def preset_stream(cfg: CompareConfig, seed: int) -> Stream:
+    """The preset's requests as the compare command sends them (workload seed ``seed``)."""
     workload = make_workload(cfg.workload, seed=seed, **cfg.params)
     # a trace's prompts are token ids: the offline simulator takes them as they are
     return Stream(workload, "completion_ids" if workload.prompt_kind == "ids" else cfg.mode)
@@ -84,9 +86,11 @@ def split_policies(text: str) -> list[str]:
     return [p for p in (text.split(";") if ";" in text or ":" in text else text.split(",")) if p]
 
 
-def _cluster(cfg: CompareConfig, spec: str, seed: int) -> ClusterConfig:
+def preset_cluster(cfg: CompareConfig, spec: str, seed: int, replicas: int = 1) -> ClusterConfig:
+    """The preset's cluster under policy ``spec`` (``name`` or ``name:k=v,...``)."""
     policy, params = parse_policy(spec)
     return ClusterConfig(
+        replicas=replicas,
         workers=(cfg.prefill_workers or cfg.workers) * cfg.dp_size,
         policy=policy,
         policy_params=params,
@@ -99,7 +103,7 @@ def _cluster(cfg: CompareConfig, spec: str, seed: int) -> ClusterConfig:
     )
 
 
-def _window_ttfts(res: SimResult, warmup: float) -> np.ndarray:
+def window_ttfts(res: SimResult, warmup: float) -> np.ndarray:
     arrival = np.frombuffer(res.table.arrival, dtype=np.float64)
     return np.frombuffer(res.table.ttft, dtype=np.float64)[arrival >= warmup] * 1000.0
 
@@ -112,14 +116,14 @@ def _max_rate(
 
     def probe(rate: float) -> bool:
         items, warmup = stream.window(rate, cfg.duration)
-        t = _window_ttfts(simulate(stream.arrivals(items), _cluster(cfg, spec, seed)), warmup)
+        t = window_ttfts(simulate(stream.arrivals(items), preset_cluster(cfg, spec, seed)), warmup)
         return len(t) > 0 and float(np.percentile(t, q)) <= limit
 
     return search_max_rate(probe, start=float(cfg.workers), max_probes=16, rel_tol=tol).rate
 
 
 def capacities(cfg: CompareConfig, policies: list[str]) -> dict[str, Any]:
-    stream = _stream(cfg, cfg.seed)
+    stream = preset_stream(cfg, cfg.seed)
     pooled = neutral_capacity(stream, cfg)
     limit = pooled["limit_ms"]
     out: dict[str, Any] = {"load_1.0": pooled["capacity_rps"], "limit_ms": limit}
@@ -161,12 +165,12 @@ def sweep(
         per: dict[str, list[tuple[float, ...]]] = {p: [] for p in policies}
         sizes: dict[str, str] = {}
         for seed in range(seeds):
-            stream = _stream(cfg, seed)
+            stream = preset_stream(cfg, seed)
             items, warmup = stream.window(rate, cfg.duration)
             arrivals = stream.arrivals(items)
             for policy in policies:
-                res = simulate(arrivals, _cluster(cfg, policy, seed))
-                t = _window_ttfts(res, warmup)
+                res = simulate(arrivals, preset_cluster(cfg, policy, seed))
+                t = window_ttfts(res, warmup)
                 if edges and seed == 0:
                     sizes[policy] = by_size(res, warmup, edges)
                 precision = res.summary["index_precision"]
@@ -205,7 +209,7 @@ def slo_capacity(
 ) -> dict[str, list[float]]:
     """Capacity at SLO offline, per policy and workload seed: the live definition
     (p90 TTFT of the measured window <= ``slo_ttft_ms``), bisected to ``rel_tol``."""
-    streams = [_stream(cfg, seed) for seed in range(seeds)]
+    streams = [preset_stream(cfg, seed) for seed in range(seeds)]
     out: dict[str, list[float]] = {}
     for policy in policies:
         rates = [
@@ -246,10 +250,10 @@ def _traced(config: ClusterConfig) -> tuple[ClusterSim, dict[int, tuple[Any, ...
 
 
 def trace(cfg: CompareConfig, policy: str, rate: float, seed: int) -> None:
-    stream = _stream(cfg, seed)
+    stream = preset_stream(cfg, seed)
     items, warmup = stream.window(rate, cfg.duration)
     first = {it.index: it.segments[0].key for it in items}
-    sim, notes = _traced(_cluster(cfg, policy, seed))
+    sim, notes = _traced(preset_cluster(cfg, policy, seed))
     res = sim.run(stream.arrivals(items))
     rows = {int(r["index"]): r for r in res.table.rows()}
     print(
@@ -264,7 +268,7 @@ def trace(cfg: CompareConfig, policy: str, rate: float, seed: int) -> None:
         shown = -1 if pred is None else round(pred)
         print(f"{i:5d} {at:8.3f} {first[i]:>8s} {worker:>9s} {reason:>9s} {shown:7d} {ttft}"
               f" {matched:6d} {cached:6d} {queues}")  # fmt: skip
-    t = _window_ttfts(res, warmup)
+    t = window_ttfts(res, warmup)
     eng = res.engine
     print(f"p50 {np.percentile(t, 50):.0f} ms, p99 {np.percentile(t, 99):.0f} ms, "
           f"hit rate {res.hit_rate:.4f}, warm-ups {eng['warmups']} "
@@ -304,7 +308,7 @@ def _loads(p: argparse.ArgumentParser, text: str, cfg: CompareConfig) -> list[fl
 def load_rates(cfg: CompareConfig, loads: list[float]) -> list[float]:
     """The rates of ``loads`` (fractions of the policy-neutral capacity the live comparison
     calls load 1.0, from the preset's own stream), printed beside them."""
-    one = neutral_capacity(_stream(cfg, cfg.seed), cfg)["capacity_rps"]
+    one = neutral_capacity(preset_stream(cfg, cfg.seed), cfg)["capacity_rps"]
     rates = [round(x * one, 3) for x in loads]
     print(f"load 1.0 = {one:.3f} req/s: loads {loads} -> rates {rates}", flush=True)
     return rates
@@ -338,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", type=float, metavar="RATE")
     p.add_argument("--seed", type=int, default=0, help="--trace: the workload's seed")
     args = p.parse_args(argv)
-    cfg = _config(args)
+    cfg = preset_config(args.preset, args.duration)
     policies = split_policies(args.policies)
     try:
         for spec in policies:

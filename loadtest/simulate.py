@@ -336,6 +336,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="policy parameter (YAML value), e.g. --policy-param tie_ms=5")  # fmt: skip
     cl.add_argument("--compare-policies", "--compare", metavar="P1,P2,...",
                     help="run the same stream through each of these policies")  # fmt: skip
+    cl.add_argument("--replicas", default="1", metavar="N1,N2,...",
+                    help="gateway replicas behind a round-robin front, each with its own index "
+                    "and load view; several counts run the stream once each and report the hit "
+                    "rate lost against the first (Q4)")  # fmt: skip
     cl.add_argument("--kv-blocks", type=int,
                     help=f"KV blocks per worker (default {DEFAULT_KV_TOKENS} tokens' worth)")  # fmt: skip
     cl.add_argument("--block-size", type=int,
@@ -449,8 +453,20 @@ class _Stream:
         return self.at(rate)
 
 
-def _config(args: argparse.Namespace, policy: str) -> ClusterConfig:
+def parse_replicas(spec: str) -> list[int]:
+    """``"1,4,8"`` -> ``[1, 4, 8]``; SystemExit on anything but distinct counts >= 1."""
+    try:
+        counts = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--replicas: expected counts like 1,4,8, got {spec!r}") from None
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise SystemExit(f"--replicas: expected distinct counts >= 1, got {spec!r}")
+    return counts
+
+
+def _config(args: argparse.Namespace, policy: str, replicas: int = 1) -> ClusterConfig:
     return ClusterConfig(
+        replicas=replicas,
         workers=args.workers,
         names=args.names,
         policy=policy,
@@ -543,22 +559,31 @@ def run(args: argparse.Namespace) -> int:
     quiet = args.no_progress or args.json
     total = stream.count() if not args.trace or args.rate or args.limit else None
     policies = [p.strip() for p in (args.compare_policies or args.policy).split(",") if p.strip()]
+    counts = parse_replicas(args.replicas)
     report: dict[str, Any] = {"workload": stream.describe(), "rate": args.rate, "results": []}
     rows = []
     runs: list[tuple[str, SimResult]] = []
     first: ClusterConfig | None = None
     for policy in policies:
-        cfg = _config(args, policy)
-        first = first or cfg
-        res, wall = _timed(policy, total, quiet, partial(_simulate, stream, args.rate, cfg))
-        entry = {"policy": policy, "wall_s": round(wall, 2), **res.to_json()}
-        row = _row(f"kvroute-{policy}", res, wall)
-        if stream.log is not None:
-            entry["same_worker_as_live"] = agree = agreement(stream.log, res)
-            row["same worker as live"] = agree["rate"]
-        report["results"].append(entry)
-        rows.append(row)
-        runs.append((policy, res))
+        base: SimResult | None = None
+        for n in counts:
+            cfg = _config(args, policy, n)
+            first = first or cfg
+            label = policy if len(counts) == 1 else f"{policy} x{n}"
+            res, wall = _timed(label, total, quiet, partial(_simulate, stream, args.rate, cfg))
+            entry = {"policy": policy, "replicas": n, "wall_s": round(wall, 2), **res.to_json()}
+            row = _row(f"kvroute-{label}", res, wall)
+            if len(counts) > 1:
+                base = base or res
+                lost = round((base.hit_rate - res.hit_rate) * 100, 2)
+                entry["hit_points_lost"] = row[f"points lost vs x{counts[0]}"] = lost
+                row["index precision"] = res.summary["index_precision"]
+            if stream.log is not None:
+                entry["same_worker_as_live"] = agree = agreement(stream.log, res)
+                row["same worker as live"] = agree["rate"]
+            report["results"].append(entry)
+            rows.append(row)
+            runs.append((label, res))
     assert first is not None
     report["cluster"] = dataclasses.asdict(first)
     if args.bound:

@@ -35,7 +35,8 @@ def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
 
 def test_every_benchmark_module_is_covered() -> None:
     assert set(benchmarks._modules()) == {
-        "events", "faults", "gateway", "hot", "index", "sim", "simulate", "soak", "tokenize",
+        "events", "faults", "gateway", "hot", "index", "replicas", "sim", "simulate", "soak",
+        "tokenize",
     }  # fmt: skip
 
 
@@ -162,6 +163,52 @@ def test_hot(capsys: pytest.CaptureFixture[str], stream: str) -> None:
     assert r["ok"] == all(
         row["p50_vs_rr"] <= 1 and row["p99_vs_rr"] <= 1 for row in [rows["kvroute"]]
     )
+
+
+def test_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    """Q4 offline on the replicas preset's stream, seconds long: the loss is the baseline's
+    hit rate minus each count's, per seed; ok follows the bounds (2 points at 4 replicas)."""
+    r = bench(capsys, "replicas", "--replicas", "1,2,4", "--loads", "0.3", "--duration", "6",
+              "--seeds", "2")  # fmt: skip
+    assert r["preset"] == "replicas-4" and r["seeds"] == 2 and r["load_1_rps"] > 0
+    rows = {row["replicas"]: row for row in r["rows"]}
+    assert set(rows) == {1, 2, 4}
+    base = rows[1]
+    assert base["points_lost"] == 0 and base["points_lost_per_seed"] == [0, 0]
+    for n, row in rows.items():
+        assert row["requests"] > 20 and 0 < row["hit_rate"] < 1
+        assert row["points_lost"] == pytest.approx(
+            (base["hit_rate"] - row["hit_rate"]) * 100, abs=0.02
+        )
+        assert (
+            sum(row["routed_per_replica"]) >= row["requests"]
+            and len(row["routed_per_replica"]) == n
+        )
+        assert max(row["routed_per_replica"]) - min(row["routed_per_replica"]) <= 1
+    assert (rows[1]["bound_points"], rows[2]["bound_points"], rows[4]["bound_points"]) == (
+        None,
+        None,
+        2.0,
+    )
+    assert r["ok"] == (rows[4]["points_lost"] <= 2.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--replicas", "0,4"], "--replicas"),
+        (["--replicas", "4,4"], "--replicas"),
+        (["--loads", "x"], "--loads"),
+        (["--event-lag", "-1"], "--event-lag"),
+        (["--capacity", "0"], "--capacity"),
+        (["--policy", "nosuch"], "unknown routing policy"),
+    ],
+)
+def test_replicas_refuses_bad_arguments(argv: list[str], says: str) -> None:
+    parser = argparse.ArgumentParser()
+    benchmarks.add_arguments(parser)
+    with pytest.raises(SystemExit, match=says):
+        benchmarks.run(parser.parse_args(["replicas", "--json", "--duration", "2", *argv]))
 
 
 def test_tokenize(capsys: pytest.CaptureFixture[str]) -> None:

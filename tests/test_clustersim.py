@@ -11,6 +11,7 @@ import json
 import statistics
 import tempfile
 import urllib.request
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.routing.keys import BlockKeyer
+from gateway.routing.policy import Decision
 from gateway.routing.replication import WarmupIntent
 from gateway.tokenization import Tokenizer, bundled_test_tokenizer
 from loadtest.clustersim import (
@@ -385,6 +387,19 @@ def test_simulate_command_and_benchmark(
     assert out["results"][0]["summary"]["requests"] == 300
     assert 0 < out["bound_hit_rate"] <= 1 and out["cluster"]["block_size"] == 512
 
+    # gateway replicas: the same stream once per count, the hit rate lost against the first
+    args = p.parse_args(["--trace", str(gen), "--workers", "4", "--replicas", "1,3", "--json"])
+    assert cli.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    one, three = out["results"]
+    assert (one["replicas"], three["replicas"]) == (1, 3)
+    assert three["sim"]["routed_per_replica"] == [100, 100, 100]
+    lost = (one["summary"]["hit_rate"] - three["summary"]["hit_rate"]) * 100
+    assert one["hit_points_lost"] == 0 and three["hit_points_lost"] == pytest.approx(lost, abs=0.01)
+    for bad in ("0", "2,2", "x"):
+        with pytest.raises(SystemExit, match="--replicas"):
+            cli.run(p.parse_args(["--trace", str(gen), "--replicas", bad]))
+
     bp = argparse.ArgumentParser()
     bp.add_argument("--json", action="store_true")
     bench.add_arguments(bp)
@@ -502,7 +517,56 @@ def test_a_warm_up_is_reported_to_the_hook_as_it_is_sent() -> None:
     seen: list[tuple[WarmupIntent, float]] = []
     sim.on_warmup = lambda intent, t: seen.append((intent, t))
     intent = WarmupIntent(sim.names[3], key=7, blocks=2, tokens=1024, at=1.5)
-    sim._warm(intent, bytes(4 * 2048), 1.5)
+    sim._warm(sim.router, intent, bytes(4 * 2048), 1.5)
     assert seen == [(intent, 1.5)]
     assert sim._stats["warmups"] == 1 and sim._stats["warmup_tokens"] == 1024
     assert sim.router.loads.view(sim.names[3]).queued_prefill_tokens == 1024
+
+
+# -- gateway replicas (Q4) ---------------------------------------------------------------------
+
+
+def test_replicas_share_the_stream_and_every_index_sees_every_event(chat: list[Arrival]) -> None:
+    """Arrivals reach the replicas in turn; each replica's index is fed by every worker's
+    events, so after the run (speculation expired) all hold the same blocks per worker; each
+    replica accounted for its own requests only, and none is left in flight."""
+    sim = ClusterSim(ClusterConfig(**CHAT_CLUSTER, replicas=3))
+    res = sim.run(chat)
+    routed = res.engine["routed_per_replica"]
+    assert sum(routed) == len(chat) and max(routed) - min(routed) <= 1
+    assert res.summary["ok"] == len(chat)
+    for ix in sim.indexes:
+        ix.expire(1e9)
+    held = [{w: ix.worker_keys(w) for w in sim.names} for ix in sim.indexes]
+    assert sum(map(len, held[0].values())) > 0
+    assert held[1] == held[0] and held[2] == held[0]
+    for router in sim.routers:
+        assert all(router.loads.view(w).idle for w in sim.names)
+    one = simulate(chat, ClusterConfig(**CHAT_CLUSTER))
+    assert one.engine["routed_per_replica"] == [len(chat)]
+
+
+def _decisions(replicas: int, arrivals: list[Arrival]) -> list[Decision]:
+    sim = ClusterSim(ClusterConfig(**CHAT_CLUSTER, replicas=replicas))
+    seen: list[Decision] = []
+    sim.after_route = lambda a, d: seen.append(d)
+    sim.run(arrivals)
+    return seen
+
+
+def test_a_replica_does_not_see_another_replicas_decisions() -> None:
+    """Two requests with one 2,000-token prompt, 1 ms apart (before any KV event): one
+    gateway predicts the second a hit on the first's worker (its speculative insert); with two
+    replicas the second reaches the other replica, which knows nothing of the first."""
+    prompt = array("I", range(2, 2002)).tobytes()
+    arrivals = [Arrival(0, 0.0, prompt, 8), Arrival(1, 0.001, prompt, 8)]
+    one = _decisions(1, arrivals)
+    two = _decisions(2, arrivals)
+    assert one[0].matched_tokens == two[0].matched_tokens == 0
+    assert one[1].worker == one[0].worker and one[1].matched_tokens >= 1984
+    assert two[1].matched_tokens == 0
+
+
+def test_replicas_must_be_at_least_one() -> None:
+    with pytest.raises(ValueError, match="replicas"):
+        ClusterConfig(replicas=0)

@@ -103,8 +103,8 @@ def test_presettrace_loads_are_fractions_of_the_neutral_capacity(
     args = ["--duration", "6", "--policies", "ttft"]
     assert presettrace.main([*args, "--loads", "0.5", "--rates", "3"]) == 0
     out = capsys.readouterr().out.splitlines()
-    cfg = presettrace._config(argparse.Namespace(preset="hot-sudden", duration=6.0))
-    one = compare.neutral_capacity(presettrace._stream(cfg, cfg.seed), cfg)["capacity_rps"]
+    cfg = presettrace.preset_config("hot-sudden", 6.0)
+    one = compare.neutral_capacity(presettrace.preset_stream(cfg, cfg.seed), cfg)["capacity_rps"]
     assert f"load 1.0 = {one:.3f} req/s" in out[0]
     assert [float(x.split()[1]) for x in out if x.startswith("rate")] == [
         3.0,
@@ -139,14 +139,14 @@ def test_presettrace_runs_a_trace_preset(capsys: pytest.CaptureFixture[str]) -> 
         good = float(x.split("goodput(<=8000ms) ")[1].split()[0])
         p90 = float(x.split("| p90 ")[1].split()[0])
         assert 0.0 < good <= 1.0 and (good >= 0.85 if p90 <= 8000.0 else good < 0.95), x
-    cfg = presettrace._config(argparse.Namespace(preset="trace-production", duration=5.0))
+    cfg = presettrace.preset_config("trace-production", 5.0)
     assert Path(cfg.params["path"]).is_file()
     # --by-size: the window's requests split by uncached tokens, every one in one bin
     assert presettrace.main([*args, "--policies", "ttft", "--by-size", "2000,20000"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if "by uncached" in x]
     cells = line.split("by uncached tokens: ")[1].split(" | ")
     assert [c.split(" n ")[0] for c in cells] == ["[0, 2000)", "[2000, 20000)", ">= 20000"]
-    stream = presettrace._stream(cfg, 0)
+    stream = presettrace.preset_stream(cfg, 0)
     items, warmup = stream.window(2.0, cfg.duration)
     window = sum(1 for a in stream.arrivals(items) if a.at >= warmup)
     assert sum(int(c.split(" n ")[1].split()[0]) for c in cells) == window
@@ -169,13 +169,13 @@ def test_presettrace_capacity_at_slo_with_policy_parameters(
     assert [x.split()[2] for x in lines] == ["ttft:compute_weight=3", "round_robin"]
     rate = float(lines[0].split()[3])
     assert rate > 0
-    cfg = presettrace._config(argparse.Namespace(preset="hot-sudden", duration=6.0))
-    cluster = presettrace._cluster(cfg, "ttft:compute_weight=3", 0)
+    cfg = presettrace.preset_config("hot-sudden", 6.0)
+    cluster = presettrace.preset_cluster(cfg, "ttft:compute_weight=3", 0)
     assert (cluster.policy, cluster.policy_params) == ("ttft", {"compute_weight": 3})
-    stream = presettrace._stream(cfg, 0)
+    stream = presettrace.preset_stream(cfg, 0)
     items, warmup = stream.window(rate, cfg.duration)
     res = presettrace.simulate(stream.arrivals(items), cluster)
-    assert np.percentile(presettrace._window_ttfts(res, warmup), 90) <= cfg.slo_ttft_ms
+    assert np.percentile(presettrace.window_ttfts(res, warmup), 90) <= cfg.slo_ttft_ms
 
 
 @pytest.mark.parametrize(
