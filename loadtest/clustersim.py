@@ -249,6 +249,10 @@ class ClusterConfig:
     #: (fed by every worker's events), load view (every report, its own requests in flight
     #: between reports), speculative inserts and policy state, as separate processes do
     replicas: int = 1
+    #: replicas publish each decision's speculative insert to the others (the live
+    #: ``replicas.share_decisions``), which apply it ``decision_lag`` later
+    share_decisions: bool = False
+    decision_lag: float = 0.005
     hash_seed: str = "kvroute-sim"
     keys: Literal["auto", "exact", "fingerprint"] = "auto"
     # agent -> Redis -> gateway
@@ -269,7 +273,7 @@ class ClusterConfig:
             raise ValueError("workers must be >= 1")
         if self.replicas < 1:
             raise ValueError("replicas must be >= 1")
-        if self.event_lag < 0 or self.report_lag < 0:
+        if self.event_lag < 0 or self.report_lag < 0 or self.decision_lag < 0:
             raise ValueError("lags must be >= 0")
         if not (self.report_interval > 0 and self.tick_interval > 0 and self.compute_scale > 0):
             raise ValueError("report_interval, tick_interval and compute_scale must be > 0")
@@ -495,7 +499,7 @@ def _weighted_pct_ms(values: np.ndarray, weights: np.ndarray, q: float) -> float
 _IDLE, _STEP, _SPAN = 0, 1, 2
 # heap event kinds, in the order they run when simultaneous (load reports have their own
 # queues, see ``run``)
-_BUS, _TICK, _WORKER = 0, 1, 2
+_BUS, _TICK, _WORKER, _SHARED = 0, 1, 2, 3
 # index operations carried by a bus delivery
 _STORE, _REMOVE, _CLEAR = 0, 1, 2
 
@@ -636,6 +640,10 @@ class ClusterSim:
         self.index = self.indexes[0]
         self.router = self.routers[0]
         self._next_replica = 0
+        self._share = cfg.share_decisions and cfg.replicas > 1
+        if self._share:
+            for index in self.indexes:
+                index.outbox = []
         self._routed = [0] * cfg.replicas
         self.workers = [_Worker(i, n, cfg.new_engine()) for i, n in enumerate(self.names)]
         self._by_name = {w.name: w for w in self.workers}
@@ -738,6 +746,8 @@ class ClusterSim:
                     self._worker_event(a, b, t)
                 elif kind == _BUS:
                     self._apply(a, b, t)
+                elif kind == _SHARED:
+                    self._shared(a, b, t)
                 else:
                     for router in self.routers:
                         router.tick(t)
@@ -780,6 +790,12 @@ class ClusterSim:
             self.after_route(a, decision)
         for intent in router.ctx.warmups.drain():
             self._warm(router, intent, tokens, t)
+        if self._share:  # this replica's speculative inserts (decision, warm-ups) go out
+            outbox = self.indexes[r].outbox
+            assert outbox is not None
+            if outbox:
+                self._push(t + self.config.decision_lag, _SHARED, r, list(outbox))
+                outbox.clear()
         ticket = router.started(decision, n, t)
         w = self._by_name[decision.worker]
         w.touched_at = t
@@ -966,6 +982,13 @@ class ClusterSim:
                 blocks.clear()
                 ops.append((_CLEAR, None, []))
         self._push(now + self.config.event_lag, _BUS, w, ops)
+
+    def _shared(self, source: int, payload: Any, t: float) -> None:
+        """A replica's speculative inserts reach the others (``ShadowIndex.adopt``)."""
+        for r, index in enumerate(self.indexes):
+            if r != source:
+                for worker, parent, keys in payload:
+                    index.adopt(worker, parent, keys, t)
 
     def _apply(self, w: _Worker, payload: Any, t: float) -> None:
         name = w.name

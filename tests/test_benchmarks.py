@@ -171,8 +171,10 @@ def test_replicas(capsys: pytest.CaptureFixture[str]) -> None:
     r = bench(capsys, "replicas", "--replicas", "1,2,4", "--loads", "0.3", "--duration", "6",
               "--seeds", "2")  # fmt: skip
     assert r["preset"] == "replicas-4" and r["seeds"] == 2 and r["load_1_rps"] > 0
-    rows = {row["replicas"]: row for row in r["rows"]}
-    assert set(rows) == {1, 2, 4}
+    assert r["judged_on_shared"] and r["decision_lag_s"] == 0.005
+    unshared = {row["replicas"]: row for row in r["rows"] if row["shared"] is False}
+    rows = {row["replicas"]: row for row in r["rows"] if row["shared"] is not False}
+    assert set(rows) == {1, 2, 4} and set(unshared) == {2, 4} and rows[1]["shared"] is None
     base = rows[1]
     assert base["points_lost"] == 0 and base["points_lost_per_seed"] == [0, 0]
     for n, row in rows.items():
@@ -191,6 +193,14 @@ def test_replicas(capsys: pytest.CaptureFixture[str]) -> None:
         2.0,
     )
     assert r["ok"] == (rows[4]["points_lost"] <= 2.0)
+    for n, row in unshared.items():  # the same requests, decisions not shared
+        assert (
+            row["requests"] == rows[n]["requests"]
+            and row["bound_points"] == rows[n]["bound_points"]
+        )
+        assert row["points_lost"] == pytest.approx(
+            (base["hit_rate"] - row["hit_rate"]) * 100, abs=0.02
+        )
 
 
 @pytest.mark.parametrize(
@@ -201,6 +211,7 @@ def test_replicas(capsys: pytest.CaptureFixture[str]) -> None:
         (["--loads", "x"], "--loads"),
         (["--event-lag", "-1"], "--event-lag"),
         (["--capacity", "0"], "--capacity"),
+        (["--decision-lag", "-1"], "--decision-lag"),
         (["--policy", "nosuch"], "unknown routing policy"),
     ],
 )

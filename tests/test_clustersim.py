@@ -546,8 +546,8 @@ def test_replicas_share_the_stream_and_every_index_sees_every_event(chat: list[A
     assert one.engine["routed_per_replica"] == [len(chat)]
 
 
-def _decisions(replicas: int, arrivals: list[Arrival]) -> list[Decision]:
-    sim = ClusterSim(ClusterConfig(**CHAT_CLUSTER, replicas=replicas))
+def _decisions(replicas: int, arrivals: list[Arrival], **config: Any) -> list[Decision]:
+    sim = ClusterSim(ClusterConfig(**CHAT_CLUSTER, replicas=replicas, **config))
     seen: list[Decision] = []
     sim.after_route = lambda a, d: seen.append(d)
     sim.run(arrivals)
@@ -565,6 +565,13 @@ def test_a_replica_does_not_see_another_replicas_decisions() -> None:
     assert one[0].matched_tokens == two[0].matched_tokens == 0
     assert one[1].worker == one[0].worker and one[1].matched_tokens >= 1984
     assert two[1].matched_tokens == 0
+    # shared decisions: the first replica's insert reaches the second 5 ms later, in time
+    # for a request 10 ms after the first (not for one 1 ms after it)
+    later = [arrivals[0], Arrival(1, 0.010, prompt, 8)]
+    shared = _decisions(2, later, share_decisions=True, decision_lag=0.005)
+    assert shared[1].worker == shared[0].worker and shared[1].matched_tokens >= 1984
+    early = _decisions(2, arrivals, share_decisions=True, decision_lag=0.005)
+    assert early[1].matched_tokens == 0
 
 
 def test_replicas_must_be_at_least_one() -> None:

@@ -246,6 +246,35 @@ def test_speculated_at_is_when_the_attribution_was_made() -> None:
     assert idx.speculated_at("a", chain[2]) is None
 
 
+def test_outbox_carries_own_inserts_and_adopt_replays_them_elsewhere() -> None:
+    """A replica's speculative inserts, as (worker, parent, keys), replayed on another
+    replica's index (``adopt``) leave the same match and the same expiry there, are not put
+    in that index's own outbox (no echo), and name no worker that index does not know."""
+    a, b = ShadowIndex(speculative_ttl=5.0), ShadowIndex(speculative_ttl=5.0)
+    chain = CHAINS[-1]
+    for idx in (a, b):
+        idx.add_worker("w1")
+        idx.stored("w1", None, chain[:2])
+    a.outbox, b.outbox = [], []
+    a.speculate("w1", chain, now=1.0, start=2)
+    assert a.outbox == [("w1", chain[1], list(chain[2:]))]
+    for worker, parent, keys in a.outbox:
+        assert b.adopt(worker, parent, keys, now=1.5) == len(chain) - 2
+    assert b.outbox == [] and b.match(chain) == a.match(chain) == {"w1": len(chain)}
+    assert b.speculated_at("w1", chain[-1]) == 1.5 and b.blocks("w1") == 2
+    b.expire(6.4)
+    assert b.match(chain) == {"w1": len(chain)}
+    b.expire(6.5)
+    assert b.match(chain) == {"w1": 2}
+    assert b.adopt("gone", None, list(chain), now=7.0) == 0 and "gone" not in b
+    assert b.adopt("w1", None, [], now=7.0) == 0
+    b.check_invariants()
+    # without an outbox (a lone gateway) nothing is kept
+    c = ShadowIndex()
+    c.speculate("w1", chain, now=0.0)
+    assert c.outbox is None
+
+
 def test_speculation_keeps_a_burst_together_then_expires() -> None:
     idx = ShadowIndex(speculative_ttl=5.0)
     chain = CHAINS[-1]

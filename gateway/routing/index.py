@@ -92,6 +92,9 @@ class ShadowIndex:
         self._pending: deque[tuple[str, Sequence[int], float, int]] = deque()
         #: bumped whenever a worker's slot is freed (its bit may then name another worker)
         self.slot_epoch = 0
+        #: this index's own speculative inserts as (worker, parent, keys), for the gateway to
+        #: share with its replicas (``gateway/decisions.py``, which drains it); None: not kept
+        self.outbox: list[tuple[str, int | None, list[int]]] | None = None
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -213,6 +216,13 @@ class ShadowIndex:
             keys = keys.all()
         tail = keys[start:] if isinstance(keys, list) else list(keys[start:])
         parent = keys[start - 1] if start else None
+        if self.outbox is not None:
+            self.outbox.append((worker, parent, tail))
+        return self._attribute(slot, bit, parent, tail, now)
+
+    def _attribute(
+        self, slot: int, bit: int, parent: int | None, tail: list[int], now: float
+    ) -> int:
         added = self._add_chain(parent, tail, bit, speculative=True)
         expiry = now + self.speculative_ttl
         tag = slot << 64
@@ -220,6 +230,18 @@ class ShadowIndex:
         self._spec_log.append((expiry, slot, tail))
         self.stats.speculative_blocks += added
         return added
+
+    def adopt(self, worker: str, parent: int | None, keys: list[int], now: float) -> int:
+        """Another gateway replica's speculative insert: ``keys`` (following ``parent``)
+        attributed to ``worker`` as this index's own would be, but not put in ``outbox``.
+        A worker this index does not know is ignored (it left, or is not yet registered
+        here). Returns the number of blocks newly attributed."""
+        if self._pending:
+            self.settle()
+        slot = self._slot.get(worker)
+        if slot is None or not keys or self.speculative_ttl <= 0:
+            return 0
+        return self._attribute(slot, 1 << slot, parent, keys, now)
 
     def expire(self, now: float) -> int:
         """Drop speculative attributions whose TTL has passed; returns how many blocks."""
