@@ -142,6 +142,19 @@ class IndexSettings:
 
 
 @dataclass
+class ReplicaSettings:
+    """Gateway replicas (processes behind one balancer, or ``server.workers``) sharing their
+    placements over the bus (``gateway/placements.py``)."""
+
+    #: publish this replica's speculative inserts and adopt the others' (needs Redis)
+    share_placements: bool = True
+    #: seconds between batches (one XADD per batch)
+    interval: float = 0.005
+    #: placements kept for the next batch at most (the newest; the rest dropped, counted)
+    max_pending: int = 10_000
+
+
+@dataclass
 class ProxySettings:
     connect_timeout: float = 2.0
     #: seconds until the upstream's first body byte (long prompts prefill for a while)
@@ -251,6 +264,7 @@ class GatewayConfig:
     server: ServerSettings = field(default_factory=ServerSettings)
     redis: RedisSettings = field(default_factory=RedisSettings)
     index: IndexSettings = field(default_factory=IndexSettings)
+    replicas: ReplicaSettings = field(default_factory=ReplicaSettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     warmup: WarmupSettings = field(default_factory=WarmupSettings)
@@ -297,6 +311,8 @@ class GatewayConfig:
             raise ConfigError("redis.url is empty and no pool has static_workers: no workers")
         if self.server.workers < 1:
             raise ConfigError("server.workers: must be >= 1")
+        if self.replicas.interval <= 0 or self.replicas.max_pending < 1:
+            raise ConfigError("replicas: interval must be > 0 and max_pending >= 1")
         rl = self.request_log
         if not 0.0 <= rl.sample <= 1.0:
             raise ConfigError("request_log.sample: must be between 0 and 1")

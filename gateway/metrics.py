@@ -294,6 +294,14 @@ class GatewayMetrics:
             multiprocess_mode="livesum",
             registry=r,
         )
+        self.placements = Gauge(
+            "kvroute_placements",
+            "Placements (speculative inserts) shared between gateway replicas, by what became "
+            "of them: published by this replica, adopted from others, dropped unsent, garbage read",
+            ["outcome"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
         self.gaps = Gauge(
             "kvroute_index_gaps",
             "Stream gaps detected by the consumer",

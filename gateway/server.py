@@ -42,6 +42,7 @@ from gateway.contract.wire import key_digest
 from gateway.errors import ApiError, ErrorShape, anthropic_error_body, error_body
 from gateway.limits import Admission, TokenBucket
 from gateway.metrics import GatewayMetrics
+from gateway.placements import PlacementFeed
 from gateway.pool import Pool
 from gateway.proxy import REQUEST_ID, Proxy, new_request_id
 from gateway.registry import Registry
@@ -130,6 +131,12 @@ class Gateway:
             if self.bus is not None
             else None
         )
+        rs = cfg.replicas
+        self.placements = (
+            PlacementFeed(self.bus, self.index, interval=rs.interval, max_pending=rs.max_pending)
+            if self.bus is not None and self.bus.carries_placements and rs.share_placements
+            else None
+        )
         self._clients = {
             k.key: _Client(
                 k,
@@ -156,6 +163,8 @@ class Gateway:
         if self.consumer is not None:
             self.consumer.subscribe(self._on_bus_change)
             await self.consumer.start()
+        if self.placements is not None:
+            await self.placements.start()
         self._tasks = [
             asyncio.create_task(self._tick_loop(), name="gateway-tick"),
             asyncio.create_task(self._probe_loop(), name="gateway-probe"),
@@ -167,6 +176,8 @@ class Gateway:
         for t in [*self._tasks, *self._checks]:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if self.placements is not None:
+            await self.placements.stop()
         if self.consumer is not None:
             await self.consumer.stop()
         if self.bus is not None:
@@ -343,6 +354,12 @@ class Gateway:
             m.event_reads.set(cs.reads)
             m.event_entries_read.set(cs.entries_read)
             m.gaps.set(getattr(cs.apply, "gaps", 0))
+        if self.placements is not None:
+            ps = self.placements.stats
+            m.placements.labels("published").set(ps.published)
+            m.placements.labels("adopted").set(ps.adopted)
+            m.placements.labels("dropped").set(ps.dropped)
+            m.placements.labels("garbage").set(ps.garbage)
 
     def _forget_worker_metrics(self, wid: str) -> None:
         """Drop a departed worker's label sets (multiprocess mode cannot: the exposition

@@ -636,6 +636,12 @@ def _served_per_replica(stack: Stack, replicas: int) -> list[int]:
     return [int(stack.metric_sum("kvroute_requests_total", gateway=g)) for g in range(replicas)]
 
 
+def _adopted_per_replica(stack: Stack, replicas: int) -> list[int]:
+    """Other replicas' placements each kvroute replica adopted (``kvroute_placements``)."""
+    adopted = 'outcome="adopted"'
+    return [int(stack.metric_sum("kvroute_placements", g, adopted)) for g in range(replicas)]
+
+
 def scrape_workers(urls: list[str], dp_size: int = 1) -> dict[str, dict[str, float]]:
     """Per worker (per data-parallel rank, ``worker-<i>.dp<r>``, when workers have several):
     requests finished, prompt tokens, cached prompt tokens (engine counters)."""
@@ -969,6 +975,7 @@ class _Runner:
             per_worker = _delta(scrape_workers(stack.worker_urls, stack.config.dp_size), before)
             precision = None
             served: list[int] | None = None
+            adopted: list[int] | None = None
             if kvroute:  # the whole run: its gateways started with it, counters at zero
                 # (a window would split requests in flight at its start: predicted counted at
                 # their first token, agreed at their usage)
@@ -976,6 +983,7 @@ class _Runner:
                 if predicted > 0:
                     precision = round(agreed / predicted, 4)
                 served = _served_per_replica(stack, cfg.replicas)
+                adopted = _adopted_per_replica(stack, cfg.replicas)
         finally:
             _stop_peers(stack, peers)
         measured = [
@@ -1024,6 +1032,8 @@ class _Runner:
             # kvroute's replicas' own count of the requests each routed (the whole run)
             "per_replica": [sum(1 for r in measured if r.endpoint == u) for u in urls],
             "routed_per_replica": served,
+            # placements (speculative inserts) each replica adopted from the others
+            "placements_adopted_per_replica": adopted,
             "warmup_s": round(warmup, 1),
             "ttfts_ms": ttfts,
             # by request (the window's index; None: failed), so that systems pair up

@@ -562,14 +562,15 @@ class Stack:
                     out[d["worker_id"]] = (got["blocks"], d["blocks"])
         return out
 
-    def metric_sum(self, name: str, gateway: int = 0) -> float:
-        """The sum of every series of the gateway's metric ``name`` (its /metrics text)."""
+    def metric_sum(self, name: str, gateway: int = 0, label: str = "") -> float:
+        """The sum of every series of the gateway's metric ``name`` (its /metrics text);
+        with ``label`` (e.g. ``'outcome="adopted"'``), of the series carrying it."""
         status, body = _get(self.gateway_urls[gateway] + "/metrics")
         if status != 200:
             raise HarnessError(f"/metrics answered {status}")
         total = 0.0
         for line in body.decode().splitlines():
-            if line.startswith((name + "{", name + " ")):
+            if line.startswith((name + "{", name + " ")) and label in line:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 

@@ -118,6 +118,25 @@ class EventBus(ABC):
     @abstractmethod
     async def read_reports(self, workers: Sequence[str]) -> dict[str, EngineReport]: ...
 
+    # placements (gateway replica to gateway replica; optional)
+    #: whether the methods below work: a bus for the agents alone need not carry them
+    carries_placements = False
+
+    async def publish_placements(self, data: bytes) -> None:
+        """Append one encoded ``Placements`` batch to the replicas' shared stream."""
+        raise BusError(f"{type(self).__name__} does not carry placements")
+
+    async def placements_tail(self) -> str:
+        """The id of the shared stream's latest entry (``"0-0"`` when empty): where a
+        replica that starts, or lost its place, reads from."""
+        raise BusError(f"{type(self).__name__} does not carry placements")
+
+    async def read_placements(
+        self, after: str, count: int = 256, block_ms: int | None = None
+    ) -> list[tuple[str, bytes]]:
+        """Batches after stream id ``after`` as (id, bytes); waits up to ``block_ms``."""
+        raise BusError(f"{type(self).__name__} does not carry placements")
+
     async def stream_bytes(self, worker: str) -> int:
         """Bytes the store spends on ``worker``'s stream (for benchmarks; 0 if unknown)."""
         return 0
@@ -148,6 +167,15 @@ class _Stream:
     last: tuple[int, int] = (0, 0)
 
 
+def _add(stream: _Stream, data: bytes) -> str:
+    """Append ``data`` with a new id after the stream's last (Redis's ``<ms>-<n>``)."""
+    ms = int(time.time() * 1000)
+    sid = (ms, 0) if ms > stream.last[0] else (stream.last[0], stream.last[1] + 1)
+    stream.last = sid
+    stream.entries.append((sid, data))
+    return f"{sid[0]}-{sid[1]}"
+
+
 class MemoryBus(EventBus):
     """Everything in this process; encodes like ``RedisBus`` so the bytes are the same.
 
@@ -155,8 +183,13 @@ class MemoryBus(EventBus):
     ``set_down(True)`` makes every call raise ``BusError`` (an outage).
     """
 
+    carries_placements = True
+    #: placements batches kept (the Redis stream's approximate MAXLEN)
+    placements_max_len = 10_000
+
     def __init__(self, clock: Any = time.monotonic) -> None:
         self._clock = clock
+        self._placements = _Stream()
         self._streams: dict[str, _Stream] = {}
         self._snapshots: dict[str, bytes] = {}
         self._workers: dict[str, tuple[bytes, float]] = {}
@@ -174,16 +207,42 @@ class MemoryBus(EventBus):
     async def append(self, worker: str, entries: Sequence[Entry]) -> list[str]:
         self._check()
         stream = self._streams.setdefault(worker, _Stream())
-        ids = []
-        for entry in entries:
-            ms = int(time.time() * 1000)
-            sid = (ms, 0) if ms > stream.last[0] else (stream.last[0], stream.last[1] + 1)
-            stream.last = sid
-            stream.entries.append((sid, encode_entry(entry)))
-            ids.append(f"{sid[0]}-{sid[1]}")
+        ids = [_add(stream, encode_entry(entry)) for entry in entries]
         async with self._changed:
             self._changed.notify_all()
         return ids
+
+    async def publish_placements(self, data: bytes) -> None:
+        self._check()
+        _add(self._placements, data)
+        del self._placements.entries[: -self.placements_max_len]
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def placements_tail(self) -> str:
+        self._check()
+        last = self._placements.last
+        return f"{last[0]}-{last[1]}"
+
+    async def read_placements(
+        self, after: str, count: int = 256, block_ms: int | None = None
+    ) -> list[tuple[str, bytes]]:
+        self._check()
+        out = self._placements_after(after, count)
+        if out or not block_ms:
+            return out
+        try:
+            async with self._changed, asyncio.timeout(block_ms / 1000):
+                await self._changed.wait()
+        except TimeoutError:
+            return []
+        self._check()
+        return self._placements_after(after, count)
+
+    def _placements_after(self, after: str, count: int) -> list[tuple[str, bytes]]:
+        floor = _id_tuple(after)
+        got = [(f"{sid[0]}-{sid[1]}", d) for sid, d in self._placements.entries if sid > floor]
+        return got[:count]
 
     async def read(
         self, positions: Mapping[str, str], count: int = 1000, block_ms: int | None = None
@@ -271,6 +330,7 @@ class MemoryBus(EventBus):
     def wipe(self) -> None:
         """Lose everything, like a Redis restart without persistence (for tests)."""
         self._streams.clear()
+        self._placements = _Stream()
         self._snapshots.clear()
         self._workers.clear()
         self._reports.clear()

@@ -251,6 +251,45 @@ class RedisBus(EventBus):
             raise failed
         return out
 
+    # -- placements (gateway replicas) --------------------------------------------------------
+
+    carries_placements = True
+    #: placements batches kept (approximate MAXLEN): seconds of traffic, the only readers
+    #: being live replicas that read as they come
+    placements_max_len = 10_000
+
+    async def publish_placements(self, data: bytes) -> None:
+        key = self.layout.placements
+        try:
+            await self._r.xadd(
+                key, {ENTRY_FIELD: data}, maxlen=self.placements_max_len, approximate=True
+            )
+        except _ERRORS as exc:
+            raise BusError(f"XADD to {key} failed: {exc}") from exc
+
+    async def placements_tail(self) -> str:
+        try:
+            last = await self._r.xrevrange(self.layout.placements, count=1)
+        except _ERRORS as exc:
+            raise BusError(f"XREVRANGE failed: {exc}") from exc
+        return _s(last[0][0]) if last else "0-0"
+
+    async def read_placements(
+        self, after: str, count: int = 256, block_ms: int | None = None
+    ) -> list[tuple[str, bytes]]:
+        key = self.layout.placements
+        try:
+            # the reader's pool gives this blocking read a connection of its own
+            reply = await self._reader.xread({key: after}, count=count, block=block_ms)
+        except _ERRORS as exc:
+            raise BusError(f"XREAD of {key} failed: {exc}") from exc
+        # an entry without the field reads as empty bytes: the reader counts it as garbage
+        return [
+            (_s(sid), fields.get(ENTRY_FIELD) or b"")
+            for _, items in reply or []
+            for sid, fields in items
+        ]
+
     async def trim(self, worker: str, min_id: str) -> None:
         try:
             await self._r.xtrim(self.layout.stream(worker), minid=min_id, approximate=True)

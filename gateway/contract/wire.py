@@ -8,6 +8,7 @@ bytes the other reads:
 * a ``Snapshot``: a worker's whole canonical key set and the stream position it matches
   (section 5);
 * a ``WorkerInfo`` registration and an ``EngineReport`` load report (section 6);
+* ``Placements``: gateway replicas' speculative inserts, shared between replicas (section 9);
 * the Redis layout of all of them (section 2) and ``key_digest``, the order-independent digest
   of a key set that both sides publish so convergence can be checked from outside.
 
@@ -120,6 +121,51 @@ def decode_snapshot(data: bytes) -> Snapshot:
     if snap.v > PROTOCOL_VERSION:
         raise ValueError(f"snapshot protocol v{snap.v} is newer than v{PROTOCOL_VERSION}")
     return snap
+
+
+# -- placements (gateway replica to gateway replica) -------------------------------------------
+
+
+class Placement(msgspec.Struct, array_like=True, frozen=True):
+    """A gateway sent a request to ``worker`` that will leave ``keys`` (following ``parent``)
+    cached there: its speculative insert (``ShadowIndex.outbox``)."""
+
+    worker: str
+    parent: int | None
+    keys: list[int]
+
+
+class Placements(msgspec.Struct, array_like=True, frozen=True):
+    """A batch of one gateway replica's placements; ``origin`` is its id (a replica skips
+    its own)."""
+
+    v: int
+    origin: str
+    items: list[Placement]
+
+
+_placements_dec = msgspec.msgpack.Decoder(Placements)
+
+
+def encode_placements(batch: Placements) -> bytes:
+    return _entry_enc.encode(batch)
+
+
+def decode_placements(data: bytes) -> Placements:
+    """Raises ``msgspec.DecodeError`` / ``ValueError`` on garbage, keys outside 64 bits or a
+    newer protocol."""
+    batch = _placements_dec.decode(data)
+    if batch.v > PROTOCOL_VERSION:
+        raise ValueError(f"placements protocol v{batch.v} is newer than v{PROTOCOL_VERSION}")
+    for item in batch.items:
+        if any(k < 0 or k > _MAX_KEY for k in item.keys) or (
+            item.parent is not None and not 0 <= item.parent <= _MAX_KEY
+        ):
+            raise ValueError("placement key outside 64 bits")
+    return batch
+
+
+_MAX_KEY = (1 << 64) - 1
 
 
 # -- registration and load ------------------------------------------------------------------
@@ -288,6 +334,11 @@ class RedisLayout:
     @property
     def workers(self) -> str:
         return f"{self.prefix}workers"
+
+    @property
+    def placements(self) -> str:
+        """The gateway replicas' shared placements stream (one key, read with XREAD)."""
+        return f"{self.prefix}placements"
 
     def stream_worker(self, key: str) -> str:
         """The worker id of a stream key."""

@@ -1,0 +1,187 @@
+"""Gateway replicas share their placements: each replica's speculative inserts reach the others.
+
+Why: every replica (a gateway process behind a load balancer, or one of ``server.workers``)
+keeps its own shadow index, fed by every worker's KV events. An engine publishes a request's
+blocks only once it schedules it; until then only the replica that sent the request knows
+where its prefix is going (its speculative insert). Another replica routing the next turn of
+that conversation, or a second request with the same new prompt, does not, and sends it
+elsewhere: a miss, which adds prefill to a queue, which delays the events further. Offline on
+the replicas preset (``kvroute bench replicas``, docs/benchmarks.md) 4 replicas lost ~10
+points of hit rate and 8 lost ~18 without sharing, under 1 point with it.
+
+Each replica drains its index's ``outbox`` every ``interval`` into one ``Placements`` batch
+on the bus (``gateway.contract.wire``, docs/protocol.md section 9) and applies the other
+replicas' batches with ``ShadowIndex.adopt``, on its own clock (replicas share no clock).
+A batch is a hint with a TTL (``index.speculative_ttl``): one lost (the bus down, garbage, a
+trimmed stream) leaves the replicas as they would be without sharing, so nothing is retried
+or replayed; a replica that loses its place reads on from the stream's tail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.contract.bus import BusError, EventBus
+from gateway.contract.wire import (
+    PROTOCOL_VERSION,
+    Placement,
+    Placements,
+    decode_placements,
+    encode_placements,
+)
+from gateway.routing.index import ShadowIndex
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PlacementFeed", "PlacementStats"]
+
+#: server-side wait of a read of the placements stream (a batch wakes it at once)
+_BLOCK_MS = 1000
+
+
+@dataclass
+class PlacementStats:
+    published: int = 0  # placements (speculative inserts) this replica sent
+    batches_published: int = 0
+    adopted: int = 0  # other replicas' placements applied here
+    adopted_blocks: int = 0  # blocks they newly attributed in this index
+    own_skipped: int = 0  # batches of this replica read back
+    dropped: int = 0  # placements not sent: the bus refused them, or too many pending
+    garbage: int = 0  # undecodable batches read
+    read_errors: int = 0  # failed reads (the bus down)
+
+
+class PlacementFeed:
+    """Publishes one index's speculative inserts and adopts the other replicas'."""
+
+    def __init__(
+        self,
+        bus: EventBus,
+        index: ShadowIndex,
+        *,
+        interval: float = 0.005,
+        max_pending: int = 10_000,
+        retry_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        origin: str | None = None,
+    ) -> None:
+        if interval <= 0 or max_pending < 1 or retry_s <= 0:
+            raise ValueError("interval and retry_s must be > 0, max_pending >= 1")
+        self.bus = bus
+        self.index = index
+        self.interval = interval
+        self.max_pending = max_pending
+        self.retry_s = retry_s
+        self.clock = clock
+        #: this replica's id on the stream (it skips its own batches)
+        self.origin = origin or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.stats = PlacementStats()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._outage = False  # logged once per outage
+
+    async def start(self) -> None:
+        self.index.outbox = []
+        self._tasks = [
+            asyncio.create_task(self._publish_loop(), name="kvroute-placements-publish"),
+            asyncio.create_task(self._read_loop(), name="kvroute-placements-read"),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        await self.flush()  # what was decided before the stop still reaches the others
+        self.index.outbox = None
+
+    # -- publishing -------------------------------------------------------------------------
+
+    def take(self) -> list[Placement]:
+        """The outbox's placements (the newest ``max_pending`` of them), emptied."""
+        box = self.index.outbox
+        if not box:
+            return []
+        if len(box) > self.max_pending:
+            self.stats.dropped += len(box) - self.max_pending
+            del box[: len(box) - self.max_pending]
+        items = [Placement(w, parent, keys) for w, parent, keys in box]
+        box.clear()
+        return items
+
+    async def flush(self) -> None:
+        """Send the outbox as one batch now; on a bus error the batch is dropped (counted)."""
+        items = self.take()
+        if not items:
+            return
+        data = encode_placements(Placements(PROTOCOL_VERSION, self.origin, items))
+        try:
+            await self.bus.publish_placements(data)
+        except BusError as exc:
+            self.stats.dropped += len(items)
+            self._down(exc)
+            return
+        self._up()
+        self.stats.published += len(items)
+        self.stats.batches_published += 1
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)  # the batching period, not a synchronisation
+            await self.flush()
+
+    # -- adopting ---------------------------------------------------------------------------
+
+    def adopt(self, data: bytes) -> int:
+        """Apply one batch read from the stream; returns the placements adopted."""
+        try:
+            batch = decode_placements(data)
+        except ValueError:  # msgspec.DecodeError is a ValueError
+            self.stats.garbage += 1
+            return 0
+        if batch.origin == self.origin:
+            self.stats.own_skipped += 1
+            return 0
+        now = self.clock()
+        adopt = self.index.adopt
+        for it in batch.items:
+            self.stats.adopted_blocks += adopt(it.worker, it.parent, it.keys, now)
+        self.stats.adopted += len(batch.items)
+        return len(batch.items)
+
+    async def _read_loop(self) -> None:
+        position: str | None = None
+        while True:
+            try:
+                if position is None:
+                    position = await self.bus.placements_tail()
+                batches = await self.bus.read_placements(position, block_ms=_BLOCK_MS)
+            except BusError as exc:
+                self.stats.read_errors += 1
+                self._down(exc)
+                position = None  # what was missed is stale by the time the bus is back
+                await asyncio.sleep(self.retry_s)
+                continue
+            self._up()
+            for sid, data in batches:
+                position = sid
+                self.adopt(data)
+
+    def _down(self, exc: BusError) -> None:
+        if not self._outage:
+            self._outage = True
+            log.warning("placements not shared with the other replicas: %s", exc)
+
+    def _up(self) -> None:
+        if self._outage:
+            self._outage = False
+            log.info("placements shared with the other replicas again")

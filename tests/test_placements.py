@@ -1,0 +1,156 @@
+"""Gateway replicas share their placements (gateway/placements.py): the wire format refuses
+garbage, one replica's speculative insert reaches the other's index over a real Redis, and a
+Redis outage or a garbage batch loses hints, never the feed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import msgspec
+import pytest
+
+from gateway.config import ConfigError, GatewayConfig, PoolSettings, ReplicaSettings, StaticWorker
+from gateway.contract.bus import EventBus, MemoryBus
+from gateway.contract.redis_bus import RedisBus
+from gateway.contract.wire import (
+    PROTOCOL_VERSION,
+    Placement,
+    Placements,
+    decode_placements,
+    encode_placements,
+)
+from gateway.placements import PlacementFeed
+from gateway.routing.index import ShadowIndex
+from gateway.server import Gateway
+from gateway.tokenization import bundled_test_tokenizer
+from loadtest.harness import RedisServer
+
+CHAIN = [(1 << 63) + i for i in range(12)]  # keys use all 64 bits
+
+
+def test_placements_round_trip_and_refuse_garbage() -> None:
+    batch = Placements(
+        PROTOCOL_VERSION, "gw-a", [Placement("w1", None, CHAIN), Placement("w2", 7, [8])]
+    )
+    assert decode_placements(encode_placements(batch)) == batch
+    enc = msgspec.msgpack.Encoder()
+    bad = [
+        b"junk",
+        b"",
+        enc.encode([PROTOCOL_VERSION + 1, "gw-a", []]),  # a newer protocol
+        enc.encode([PROTOCOL_VERSION, "gw-a", [["w1", None, [-5]]]]),  # a negative key
+        enc.encode([PROTOCOL_VERSION, "gw-a", [["w1", -1, [1]]]]),  # negative parent
+        enc.encode([PROTOCOL_VERSION, "gw-a", [["w1", None, ["x"]]]]),
+    ]
+    for data in bad:
+        with pytest.raises(ValueError):
+            decode_placements(data)
+
+
+def _index(*workers: str) -> ShadowIndex:
+    index = ShadowIndex(speculative_ttl=5.0)
+    for w in workers:
+        index.add_worker(w)
+    return index
+
+
+async def test_adopt_skips_own_batches_and_counts_garbage() -> None:
+    bus = MemoryBus()
+    a = PlacementFeed(bus, _index("w1"), origin="a")
+    b = PlacementFeed(bus, _index("w1"), origin="b")
+    a.index.outbox = []
+    a.index.speculate("w1", CHAIN, now=0.0)
+    await a.flush()
+    assert a.stats.published == 1 and a.stats.batches_published == 1 and a.index.outbox == []
+    [(sid, data)] = await bus.read_placements("0-0")
+    assert a.adopt(data) == 0 and a.stats.own_skipped == 1
+    assert b.adopt(data) == 1 and b.index.match(CHAIN) == {"w1": len(CHAIN)}
+    assert b.stats.adopted_blocks == len(CHAIN)
+    assert b.adopt(b"junk") == 0 and b.stats.garbage == 1
+    assert await bus.placements_tail() == sid
+
+
+async def test_pending_placements_are_bounded_newest_kept() -> None:
+    feed = PlacementFeed(MemoryBus(), _index("w1"), max_pending=2)
+    feed.index.outbox = []
+    for i in range(5):
+        feed.index.speculate("w1", [100 + i], now=float(i))
+    taken = feed.take()
+    assert [p.keys for p in taken] == [[103], [104]] and feed.stats.dropped == 3
+    assert feed.take() == [] and feed.index.outbox == []
+    with pytest.raises(ValueError):
+        PlacementFeed(MemoryBus(), _index(), interval=0)
+
+
+async def until(cond: Callable[[], bool], limit: float = 10.0) -> None:
+    """Wait until ``cond()`` holds (the feeds run on this loop and on Redis), or fail."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError("condition never held")
+        await asyncio.sleep(0.005)
+
+
+async def test_replicas_share_placements_over_redis_and_survive_an_outage(
+    redis_server: RedisServer,
+) -> None:
+    buses: list[EventBus] = [
+        RedisBus(redis_server.url, prefix="t:", socket_timeout=2.0) for _ in range(2)
+    ]
+    a = PlacementFeed(buses[0], _index("w1", "w2"), origin="a", retry_s=0.05)
+    b = PlacementFeed(buses[1], _index("w1", "w2"), origin="b", retry_s=0.05)
+    await a.start()
+    await b.start()
+    try:
+        await until(lambda: a.stats.read_errors == 0 and b.index.outbox == [])
+        a.index.speculate("w1", CHAIN, now=a.clock())
+        await until(lambda: b.index.match(CHAIN) == {"w1": len(CHAIN)})
+        b.index.speculate("w2", CHAIN[:4], now=b.clock())
+        await until(lambda: a.index.match(CHAIN[:4]) == {"w1": 4, "w2": 4})
+        await until(lambda: a.stats.own_skipped >= 1 and b.stats.own_skipped >= 1)
+        assert a.stats.adopted == b.stats.adopted == 1 and b.index.blocks("w1") == 0
+
+        # garbage on the stream is counted; the next batch is still adopted
+        await buses[0].publish_placements(b"junk")
+        a.index.speculate("w2", [200, 201, 202, 203], now=a.clock())
+        await until(
+            lambda: b.stats.garbage >= 1 and b.index.match([200, 201, 202, 203]) == {"w2": 4}
+        )
+
+        # Redis gone: placements are dropped (counted), reads fail and retry
+        redis_server.kill()
+        a.index.speculate("w1", [9, 10], now=a.clock())
+        await until(lambda: a.stats.dropped >= 1 and b.stats.read_errors >= 1)
+        assert b.index.match([9, 10]) == {}
+
+        # Redis back (empty): sharing resumes from the new stream's tail
+        redis_server.start()
+        await until(lambda: b.stats.read_errors > 0 and not b._outage, limit=20.0)
+        a.index.speculate("w1", [11, 12, 13], now=a.clock())
+        await until(lambda: b.index.match([11, 12, 13]) == {"w1": 3}, limit=20.0)
+    finally:
+        await a.stop()
+        await b.stop()
+        for bus in buses:
+            await bus.close()
+    assert a.index.outbox is None and b.index.outbox is None
+
+
+def _config(**replicas: object) -> GatewayConfig:
+    pool = PoolSettings(
+        model="m",
+        tokenizer=str(bundled_test_tokenizer()),
+        static_workers=[StaticWorker("http://127.0.0.1:9", "w1")],
+    )
+    return GatewayConfig(pools=[pool], replicas=ReplicaSettings(**replicas))  # type: ignore[arg-type]
+
+
+def test_a_gateway_shares_placements_when_its_bus_carries_them() -> None:
+    assert isinstance(Gateway(_config(), bus=MemoryBus()).placements, PlacementFeed)
+    assert Gateway(_config(share_placements=False), bus=MemoryBus()).placements is None
+    assert Gateway(_config()).placements is None  # static workers, no bus
+    for bad in ({"interval": 0.0}, {"max_pending": 0}):
+        with pytest.raises(ConfigError, match="replicas"):
+            _config(**bad).validate()
