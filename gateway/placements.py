@@ -15,6 +15,11 @@ replicas' batches with ``ShadowIndex.adopt``, on its own clock (replicas share n
 A batch is a hint with a TTL (``index.speculative_ttl``): one lost (the bus down, garbage, a
 trimmed stream) leaves the replicas as they would be without sharing, so nothing is retried
 or replayed; a replica that loses its place reads on from the stream's tail.
+
+A lone gateway has no one to tell: every replica publishes an empty batch every
+``heartbeat_s`` (its presence), and sends its placements only while it has read another
+replica's batch within ``peer_ttl``; until then its outbox is emptied unsent (``unshared``).
+So one gateway pays one XADD a second, and replicas find each other within a heartbeat.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class PlacementStats:
     adopted: int = 0  # other replicas' placements applied here
     adopted_blocks: int = 0  # blocks they newly attributed in this index
     own_skipped: int = 0  # batches of this replica read back
+    heartbeats: int = 0  # empty batches sent (this replica's presence)
+    unshared: int = 0  # placements not sent: no other replica heard from within peer_ttl
     dropped: int = 0  # placements not sent: the bus refused them, or too many pending
     garbage: int = 0  # undecodable batches read
     read_errors: int = 0  # failed reads (the bus down)
@@ -70,22 +77,34 @@ class PlacementFeed:
         interval: float = 0.005,
         max_pending: int = 10_000,
         retry_s: float = 0.5,
+        heartbeat_s: float = 1.0,
+        peer_ttl: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
         origin: str | None = None,
     ) -> None:
-        if interval <= 0 or max_pending < 1 or retry_s <= 0:
-            raise ValueError("interval and retry_s must be > 0, max_pending >= 1")
+        if interval <= 0 or max_pending < 1 or retry_s <= 0 or heartbeat_s <= 0:
+            raise ValueError("interval, retry_s and heartbeat_s must be > 0, max_pending >= 1")
+        if peer_ttl <= heartbeat_s:
+            raise ValueError("peer_ttl must exceed heartbeat_s (a peer would flicker)")
         self.bus = bus
         self.index = index
         self.interval = interval
         self.max_pending = max_pending
         self.retry_s = retry_s
+        self.heartbeat_s = heartbeat_s
+        self.peer_ttl = peer_ttl
         self.clock = clock
         #: this replica's id on the stream (it skips its own batches)
         self.origin = origin or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.stats = PlacementStats()
         self._tasks: list[asyncio.Task[None]] = []
         self._outage = False  # logged once per outage
+        self._peer_at = float("-inf")  # when another replica's batch was last read
+        self._sent_at = float("-inf")  # when this replica last published a batch
+
+    def peers(self) -> bool:
+        """Whether another replica was heard from within ``peer_ttl``."""
+        return self.clock() - self._peer_at <= self.peer_ttl
 
     async def start(self) -> None:
         self.index.outbox = []
@@ -119,9 +138,16 @@ class PlacementFeed:
         return items
 
     async def flush(self) -> None:
-        """Send the outbox as one batch now; on a bus error the batch is dropped (counted)."""
+        """One period's work: the outbox as one batch to the other replicas (emptied unsent
+        while there are none), or an empty batch when a heartbeat is due. On a bus error the
+        batch is dropped (counted)."""
+        box = self.index.outbox
+        if box and not self.peers():  # no one to tell: emptied as it is
+            self.stats.unshared += len(box)
+            box.clear()
         items = self.take()
-        if not items:
+        now = self.clock()
+        if not items and now - self._sent_at < self.heartbeat_s:
             return
         data = encode_placements(Placements(PROTOCOL_VERSION, self.origin, items))
         try:
@@ -131,13 +157,17 @@ class PlacementFeed:
             self._down(exc)
             return
         self._up()
-        self.stats.published += len(items)
-        self.stats.batches_published += 1
+        self._sent_at = now
+        if items:
+            self.stats.published += len(items)
+            self.stats.batches_published += 1
+        else:
+            self.stats.heartbeats += 1
 
     async def _publish_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)  # the batching period, not a synchronisation
             await self.flush()
+            await asyncio.sleep(self.interval)  # the batching period, not a synchronisation
 
     # -- adopting ---------------------------------------------------------------------------
 
@@ -152,6 +182,7 @@ class PlacementFeed:
             self.stats.own_skipped += 1
             return 0
         now = self.clock()
+        self._peer_at = now
         adopt = self.index.adopt
         for it in batch.items:
             self.stats.adopted_blocks += adopt(it.worker, it.parent, it.keys, now)

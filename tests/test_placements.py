@@ -55,20 +55,38 @@ def _index(*workers: str) -> ShadowIndex:
     return index
 
 
-async def test_adopt_skips_own_batches_and_counts_garbage() -> None:
+async def test_alone_a_replica_sends_only_its_presence_then_shares_with_a_peer() -> None:
+    """A replica that has heard no other sends an empty batch each heartbeat and empties its
+    outbox unsent; once it reads another's batch it sends its placements, which the other
+    adopts (and the sender skips when it reads them back); a silent peer lapses."""
+    now = [100.0]
     bus = MemoryBus()
-    a = PlacementFeed(bus, _index("w1"), origin="a")
-    b = PlacementFeed(bus, _index("w1"), origin="b")
+    a = PlacementFeed(bus, _index("w1"), origin="a", clock=lambda: now[0])
+    b = PlacementFeed(bus, _index("w1"), origin="b", clock=lambda: now[0])
     a.index.outbox = []
-    a.index.speculate("w1", CHAIN, now=0.0)
+    a.index.speculate("w1", CHAIN, now=now[0])
+    await a.flush()
+    assert (a.stats.unshared, a.stats.heartbeats, a.stats.published) == (1, 1, 0)
+    await a.flush()  # nothing to send, the next heartbeat not due
+    [(sid, data)] = await bus.read_placements("0-0")
+    assert decode_placements(data).items == [] and not b.peers()
+    assert b.adopt(data) == 0 and b.peers() and b.index.match(CHAIN) == {}
+    await b.flush()  # b's presence
+    [(sid, data)] = await bus.read_placements(sid)
+    assert a.adopt(data) == 0 and a.peers()
+    a.index.speculate("w1", CHAIN, now=now[0])
     await a.flush()
     assert a.stats.published == 1 and a.stats.batches_published == 1 and a.index.outbox == []
-    [(sid, data)] = await bus.read_placements("0-0")
+    [(sid, data)] = await bus.read_placements(sid)
     assert a.adopt(data) == 0 and a.stats.own_skipped == 1
     assert b.adopt(data) == 1 and b.index.match(CHAIN) == {"w1": len(CHAIN)}
-    assert b.stats.adopted_blocks == len(CHAIN)
+    assert b.stats.adopted_blocks == len(CHAIN) and await bus.placements_tail() == sid
     assert b.adopt(b"junk") == 0 and b.stats.garbage == 1
-    assert await bus.placements_tail() == sid
+    now[0] += 3.5  # b silent for longer than peer_ttl: a is alone again
+    assert not a.peers()
+    a.index.speculate("w1", [77], now=now[0])
+    await a.flush()
+    assert a.stats.unshared == 2 and a.stats.heartbeats == 2
 
 
 async def test_pending_placements_are_bounded_newest_kept() -> None:
@@ -79,8 +97,9 @@ async def test_pending_placements_are_bounded_newest_kept() -> None:
     taken = feed.take()
     assert [p.keys for p in taken] == [[103], [104]] and feed.stats.dropped == 3
     assert feed.take() == [] and feed.index.outbox == []
-    with pytest.raises(ValueError):
-        PlacementFeed(MemoryBus(), _index(), interval=0)
+    for bad in ({"interval": 0}, {"heartbeat_s": 0}, {"peer_ttl": 1.0}):
+        with pytest.raises(ValueError):
+            PlacementFeed(MemoryBus(), _index(), **bad)  # type: ignore[arg-type]
 
 
 async def until(cond: Callable[[], bool], limit: float = 10.0) -> None:
@@ -104,7 +123,7 @@ async def test_replicas_share_placements_over_redis_and_survive_an_outage(
     await a.start()
     await b.start()
     try:
-        await until(lambda: a.stats.read_errors == 0 and b.index.outbox == [])
+        await until(lambda: a.peers() and b.peers())  # each read the other's presence
         a.index.speculate("w1", CHAIN, now=a.clock())
         await until(lambda: b.index.match(CHAIN) == {"w1": len(CHAIN)})
         b.index.speculate("w2", CHAIN[:4], now=b.clock())
@@ -127,7 +146,9 @@ async def test_replicas_share_placements_over_redis_and_survive_an_outage(
 
         # Redis back (empty): sharing resumes from the new stream's tail
         redis_server.start()
-        await until(lambda: b.stats.read_errors > 0 and not b._outage, limit=20.0)
+        back = a.clock()
+        # both read again: each has read a batch (a heartbeat) of the other since the restart
+        await until(lambda: a._peer_at > back and b._peer_at > back, limit=20.0)
         a.index.speculate("w1", [11, 12, 13], now=a.clock())
         await until(lambda: b.index.match([11, 12, 13]) == {"w1": 3}, limit=20.0)
     finally:
