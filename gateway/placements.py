@@ -74,7 +74,7 @@ class PlacementFeed:
         bus: EventBus,
         index: ShadowIndex,
         *,
-        interval: float = 0.005,
+        interval: float = 0.02,
         max_pending: int = 10_000,
         retry_s: float = 0.5,
         heartbeat_s: float = 1.0,
@@ -151,7 +151,7 @@ class PlacementFeed:
             return
         data = encode_placements(Placements(PROTOCOL_VERSION, self.origin, items))
         try:
-            await self.bus.publish_placements(data)
+            await self.bus.publish_placements(self.origin, data)
         except BusError as exc:
             self.stats.dropped += len(items)
             self._down(exc)
@@ -171,8 +171,12 @@ class PlacementFeed:
 
     # -- adopting ---------------------------------------------------------------------------
 
-    def adopt(self, data: bytes) -> int:
-        """Apply one batch read from the stream; returns the placements adopted."""
+    def adopt(self, data: bytes, origin: str = "") -> int:
+        """Apply one batch read from the stream (``origin``: the id the stream gives beside
+        it, which skips this replica's own without decoding); returns the placements adopted."""
+        if origin == self.origin:
+            self.stats.own_skipped += 1
+            return 0
         try:
             batch = decode_placements(data)
         except ValueError:  # msgspec.DecodeError is a ValueError
@@ -203,9 +207,9 @@ class PlacementFeed:
                 await asyncio.sleep(self.retry_s)
                 continue
             self._up()
-            for sid, data in batches:
+            for sid, origin, data in batches:
                 position = sid
-                self.adopt(data)
+                self.adopt(data, origin)
 
     def _down(self, exc: BusError) -> None:
         if not self._outage:

@@ -252,7 +252,7 @@ class ClusterConfig:
     #: replicas publish each decision's speculative insert to the others (the live
     #: ``replicas.share_decisions``), which apply it ``decision_lag`` later
     share_decisions: bool = False
-    decision_lag: float = 0.005
+    decision_lag: float = 0.02
     hash_seed: str = "kvroute-sim"
     keys: Literal["auto", "exact", "fingerprint"] = "auto"
     # agent -> Redis -> gateway

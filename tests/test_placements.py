@@ -68,18 +68,19 @@ async def test_alone_a_replica_sends_only_its_presence_then_shares_with_a_peer()
     await a.flush()
     assert (a.stats.unshared, a.stats.heartbeats, a.stats.published) == (1, 1, 0)
     await a.flush()  # nothing to send, the next heartbeat not due
-    [(sid, data)] = await bus.read_placements("0-0")
-    assert decode_placements(data).items == [] and not b.peers()
-    assert b.adopt(data) == 0 and b.peers() and b.index.match(CHAIN) == {}
+    [(sid, origin, data)] = await bus.read_placements("0-0")
+    assert origin == "a" and decode_placements(data).items == [] and not b.peers()
+    assert b.adopt(data, origin) == 0 and b.peers() and b.index.match(CHAIN) == {}
     await b.flush()  # b's presence
-    [(sid, data)] = await bus.read_placements(sid)
-    assert a.adopt(data) == 0 and a.peers()
+    [(sid, origin, data)] = await bus.read_placements(sid)
+    assert a.adopt(data, origin) == 0 and a.peers()
     a.index.speculate("w1", CHAIN, now=now[0])
     await a.flush()
     assert a.stats.published == 1 and a.stats.batches_published == 1 and a.index.outbox == []
-    [(sid, data)] = await bus.read_placements(sid)
-    assert a.adopt(data) == 0 and a.stats.own_skipped == 1
-    assert b.adopt(data) == 1 and b.index.match(CHAIN) == {"w1": len(CHAIN)}
+    [(sid, origin, data)] = await bus.read_placements(sid)
+    assert a.adopt(data, origin) == 0 and a.stats.own_skipped == 1  # by the stream's origin
+    assert a.adopt(data) == 0 and a.stats.own_skipped == 2  # by the batch's own
+    assert b.adopt(data, origin) == 1 and b.index.match(CHAIN) == {"w1": len(CHAIN)}
     assert b.stats.adopted_blocks == len(CHAIN) and await bus.placements_tail() == sid
     assert b.adopt(b"junk") == 0 and b.stats.garbage == 1
     now[0] += 3.5  # b silent for longer than peer_ttl: a is alone again
@@ -132,7 +133,7 @@ async def test_replicas_share_placements_over_redis_and_survive_an_outage(
         assert a.stats.adopted == b.stats.adopted == 1 and b.index.blocks("w1") == 0
 
         # garbage on the stream is counted; the next batch is still adopted
-        await buses[0].publish_placements(b"junk")
+        await buses[0].publish_placements("x", b"junk")
         a.index.speculate("w2", [200, 201, 202, 203], now=a.clock())
         await until(
             lambda: b.stats.garbage >= 1 and b.index.match([200, 201, 202, 203]) == {"w2": 4}

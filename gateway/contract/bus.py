@@ -122,8 +122,9 @@ class EventBus(ABC):
     #: whether the methods below work: a bus for the agents alone need not carry them
     carries_placements = False
 
-    async def publish_placements(self, data: bytes) -> None:
-        """Append one encoded ``Placements`` batch to the replicas' shared stream."""
+    async def publish_placements(self, origin: str, data: bytes) -> None:
+        """Append one encoded ``Placements`` batch of replica ``origin`` to the replicas'
+        shared stream (the origin beside it, so readers skip their own without decoding)."""
         raise BusError(f"{type(self).__name__} does not carry placements")
 
     async def placements_tail(self) -> str:
@@ -133,8 +134,8 @@ class EventBus(ABC):
 
     async def read_placements(
         self, after: str, count: int = 256, block_ms: int | None = None
-    ) -> list[tuple[str, bytes]]:
-        """Batches after stream id ``after`` as (id, bytes); waits up to ``block_ms``."""
+    ) -> list[tuple[str, str, bytes]]:
+        """Batches after stream id ``after`` as (id, origin, bytes); waits up to ``block_ms``."""
         raise BusError(f"{type(self).__name__} does not carry placements")
 
     async def stream_bytes(self, worker: str) -> int:
@@ -165,6 +166,10 @@ def _id_tuple(sid: str) -> tuple[int, int]:
 class _Stream:
     entries: list[tuple[tuple[int, int], bytes]] = field(default_factory=list)
     last: tuple[int, int] = (0, 0)
+
+
+#: origin and batch stored together in the memory bus's placements stream
+_PLACEMENT_SEP = b"\x00"
 
 
 def _add(stream: _Stream, data: bytes) -> str:
@@ -212,9 +217,9 @@ class MemoryBus(EventBus):
             self._changed.notify_all()
         return ids
 
-    async def publish_placements(self, data: bytes) -> None:
+    async def publish_placements(self, origin: str, data: bytes) -> None:
         self._check()
-        _add(self._placements, data)
+        _add(self._placements, _PLACEMENT_SEP.join([origin.encode(), data]))
         del self._placements.entries[: -self.placements_max_len]
         async with self._changed:
             self._changed.notify_all()
@@ -226,7 +231,7 @@ class MemoryBus(EventBus):
 
     async def read_placements(
         self, after: str, count: int = 256, block_ms: int | None = None
-    ) -> list[tuple[str, bytes]]:
+    ) -> list[tuple[str, str, bytes]]:
         self._check()
         out = self._placements_after(after, count)
         if out or not block_ms:
@@ -239,10 +244,16 @@ class MemoryBus(EventBus):
         self._check()
         return self._placements_after(after, count)
 
-    def _placements_after(self, after: str, count: int) -> list[tuple[str, bytes]]:
+    def _placements_after(self, after: str, count: int) -> list[tuple[str, str, bytes]]:
         floor = _id_tuple(after)
-        got = [(f"{sid[0]}-{sid[1]}", d) for sid, d in self._placements.entries if sid > floor]
-        return got[:count]
+        out = []
+        for sid, d in self._placements.entries:
+            if sid > floor:
+                origin, _, data = d.partition(_PLACEMENT_SEP)
+                out.append((f"{sid[0]}-{sid[1]}", origin.decode(), data))
+                if len(out) >= count:
+                    break
+        return out
 
     async def read(
         self, positions: Mapping[str, str], count: int = 1000, block_ms: int | None = None

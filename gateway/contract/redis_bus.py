@@ -34,6 +34,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from gateway.contract.bus import BusError, EventBus, StreamRead
 from gateway.contract.wire import (
     ENTRY_FIELD,
+    ORIGIN_FIELD,
     EngineReport,
     Entry,
     RedisLayout,
@@ -258,12 +259,11 @@ class RedisBus(EventBus):
     #: being live replicas that read as they come
     placements_max_len = 10_000
 
-    async def publish_placements(self, data: bytes) -> None:
+    async def publish_placements(self, origin: str, data: bytes) -> None:
         key = self.layout.placements
+        fields = {ORIGIN_FIELD: origin, ENTRY_FIELD: data}
         try:
-            await self._r.xadd(
-                key, {ENTRY_FIELD: data}, maxlen=self.placements_max_len, approximate=True
-            )
+            await self._r.xadd(key, fields, maxlen=self.placements_max_len, approximate=True)
         except _ERRORS as exc:
             raise BusError(f"XADD to {key} failed: {exc}") from exc
 
@@ -276,16 +276,16 @@ class RedisBus(EventBus):
 
     async def read_placements(
         self, after: str, count: int = 256, block_ms: int | None = None
-    ) -> list[tuple[str, bytes]]:
+    ) -> list[tuple[str, str, bytes]]:
         key = self.layout.placements
         try:
             # the reader's pool gives this blocking read a connection of its own
             reply = await self._reader.xread({key: after}, count=count, block=block_ms)
         except _ERRORS as exc:
             raise BusError(f"XREAD of {key} failed: {exc}") from exc
-        # an entry without the field reads as empty bytes: the reader counts it as garbage
+        # an entry without the fields reads as empty: the reader counts it as garbage
         return [
-            (_s(sid), fields.get(ENTRY_FIELD) or b"")
+            (_s(sid), _s(fields.get(ORIGIN_FIELD) or b""), fields.get(ENTRY_FIELD) or b"")
             for _, items in reply or []
             for sid, fields in items
         ]

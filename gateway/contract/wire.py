@@ -263,6 +263,8 @@ def try_decode_entry(data: bytes) -> Entry | None:
 
 #: The one field of a stream entry: the encoded ``Entry``.
 ENTRY_FIELD = b"e"
+#: the placements stream's second field: the publishing replica's id
+ORIGIN_FIELD = b"o"
 
 
 #: Redis Cluster slots (keys hash to ``CRC16(tag) mod 16384``).

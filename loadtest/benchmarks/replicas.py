@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share", default="both", choices=["on", "off", "both"],
                    help="replicas share their speculative inserts (the gateway's "
                    "replicas.share_decisions), do not, or both in the same run")  # fmt: skip
-    p.add_argument("--decision-lag", type=float, default=0.005,
+    p.add_argument("--decision-lag", type=float, default=0.02,
                    help="seconds from one replica's decision to the others' indexes")  # fmt: skip
     p.add_argument("--event-lag", type=float,
                    help="seconds from a KV event to every replica's index (default: the "
