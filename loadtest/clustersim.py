@@ -249,10 +249,10 @@ class ClusterConfig:
     #: (fed by every worker's events), load view (every report, its own requests in flight
     #: between reports), speculative inserts and policy state, as separate processes do
     replicas: int = 1
-    #: replicas publish each decision's speculative insert to the others (the live
-    #: ``replicas.share_decisions``), which apply it ``decision_lag`` later
-    share_decisions: bool = False
-    decision_lag: float = 0.02
+    #: replicas publish their speculative inserts to the others (the gateway's
+    #: ``replicas.share_placements``, on by default), which apply them ``placement_lag`` later
+    share_placements: bool = True
+    placement_lag: float = 0.02
     hash_seed: str = "kvroute-sim"
     keys: Literal["auto", "exact", "fingerprint"] = "auto"
     # agent -> Redis -> gateway
@@ -273,7 +273,7 @@ class ClusterConfig:
             raise ValueError("workers must be >= 1")
         if self.replicas < 1:
             raise ValueError("replicas must be >= 1")
-        if self.event_lag < 0 or self.report_lag < 0 or self.decision_lag < 0:
+        if self.event_lag < 0 or self.report_lag < 0 or self.placement_lag < 0:
             raise ValueError("lags must be >= 0")
         if not (self.report_interval > 0 and self.tick_interval > 0 and self.compute_scale > 0):
             raise ValueError("report_interval, tick_interval and compute_scale must be > 0")
@@ -640,7 +640,7 @@ class ClusterSim:
         self.index = self.indexes[0]
         self.router = self.routers[0]
         self._next_replica = 0
-        self._share = cfg.share_decisions and cfg.replicas > 1
+        self._share = cfg.share_placements and cfg.replicas > 1
         if self._share:
             for index in self.indexes:
                 index.outbox = []
@@ -794,7 +794,7 @@ class ClusterSim:
             outbox = self.indexes[r].outbox
             assert outbox is not None
             if outbox:
-                self._push(t + self.config.decision_lag, _SHARED, r, list(outbox))
+                self._push(t + self.config.placement_lag, _SHARED, r, list(outbox))
                 outbox.clear()
         ticket = router.started(decision, n, t)
         w = self._by_name[decision.worker]

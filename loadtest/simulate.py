@@ -340,6 +340,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="gateway replicas behind a round-robin front, each with its own index "
                     "and load view; several counts run the stream once each and report the hit "
                     "rate lost against the first (Q4)")  # fmt: skip
+    cl.add_argument("--no-share-placements", dest="share_placements", action="store_false",
+                    help="replicas keep their speculative inserts to themselves (the gateway's "
+                    "replicas.share_placements: false)")  # fmt: skip
     cl.add_argument("--kv-blocks", type=int,
                     help=f"KV blocks per worker (default {DEFAULT_KV_TOKENS} tokens' worth)")  # fmt: skip
     cl.add_argument("--block-size", type=int,
@@ -467,6 +470,7 @@ def parse_replicas(spec: str) -> list[int]:
 def _config(args: argparse.Namespace, policy: str, replicas: int = 1) -> ClusterConfig:
     return ClusterConfig(
         replicas=replicas,
+        share_placements=args.share_placements,
         workers=args.workers,
         names=args.names,
         policy=policy,

@@ -171,7 +171,7 @@ def test_replicas(capsys: pytest.CaptureFixture[str]) -> None:
     r = bench(capsys, "replicas", "--replicas", "1,2,4", "--loads", "0.3", "--duration", "6",
               "--seeds", "2")  # fmt: skip
     assert r["preset"] == "replicas-4" and r["seeds"] == 2 and r["load_1_rps"] > 0
-    assert r["judged_on_shared"] and r["decision_lag_s"] == 0.02
+    assert r["judged_on_shared"] and r["placement_lag_s"] == 0.02
     unshared = {row["replicas"]: row for row in r["rows"] if row["shared"] is False}
     rows = {row["replicas"]: row for row in r["rows"] if row["shared"] is not False}
     assert set(rows) == {1, 2, 4} and set(unshared) == {2, 4} and rows[1]["shared"] is None
@@ -211,7 +211,7 @@ def test_replicas(capsys: pytest.CaptureFixture[str]) -> None:
         (["--loads", "x"], "--loads"),
         (["--event-lag", "-1"], "--event-lag"),
         (["--capacity", "0"], "--capacity"),
-        (["--decision-lag", "-1"], "--decision-lag"),
+        (["--placement-lag", "-1"], "--placement-lag"),
         (["--policy", "nosuch"], "unknown routing policy"),
     ],
 )

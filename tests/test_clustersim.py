@@ -396,6 +396,12 @@ def test_simulate_command_and_benchmark(
     assert three["sim"]["routed_per_replica"] == [100, 100, 100]
     lost = (one["summary"]["hit_rate"] - three["summary"]["hit_rate"]) * 100
     assert one["hit_points_lost"] == 0 and three["hit_points_lost"] == pytest.approx(lost, abs=0.01)
+    unshared = p.parse_args(["--trace", str(gen), "--workers", "4", "--replicas", "1,3",
+                             "--no-share-placements", "--json"])  # fmt: skip
+    assert cli.run(unshared) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["config"]["share_placements"] for r in out["results"]] == [False, False]
+    assert three["config"]["share_placements"] is True
     for bad in ("0", "2,2", "x"):
         with pytest.raises(SystemExit, match="--replicas"):
             cli.run(p.parse_args(["--trace", str(gen), "--replicas", bad]))
@@ -561,16 +567,16 @@ def test_a_replica_does_not_see_another_replicas_decisions() -> None:
     prompt = array("I", range(2, 2002)).tobytes()
     arrivals = [Arrival(0, 0.0, prompt, 8), Arrival(1, 0.001, prompt, 8)]
     one = _decisions(1, arrivals)
-    two = _decisions(2, arrivals)
+    two = _decisions(2, arrivals, share_placements=False)
     assert one[0].matched_tokens == two[0].matched_tokens == 0
     assert one[1].worker == one[0].worker and one[1].matched_tokens >= 1984
     assert two[1].matched_tokens == 0
     # shared decisions: the first replica's insert reaches the second 5 ms later, in time
     # for a request 10 ms after the first (not for one 1 ms after it)
     later = [arrivals[0], Arrival(1, 0.010, prompt, 8)]
-    shared = _decisions(2, later, share_decisions=True, decision_lag=0.005)
+    shared = _decisions(2, later, share_placements=True, placement_lag=0.005)
     assert shared[1].worker == shared[0].worker and shared[1].matched_tokens >= 1984
-    early = _decisions(2, arrivals, share_decisions=True, decision_lag=0.005)
+    early = _decisions(2, arrivals, share_placements=True, placement_lag=0.005)
     assert early[1].matched_tokens == 0
 
 

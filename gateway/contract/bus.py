@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.contract.wire import (
     EngineReport,
@@ -30,6 +30,8 @@ from gateway.contract.wire import (
     encode_worker,
     try_decode_entry,
 )
+
+_T = TypeVar("_T")
 
 __all__ = [
     "BusError",
@@ -232,17 +234,7 @@ class MemoryBus(EventBus):
     async def read_placements(
         self, after: str, count: int = 256, block_ms: int | None = None
     ) -> list[tuple[str, str, bytes]]:
-        self._check()
-        out = self._placements_after(after, count)
-        if out or not block_ms:
-            return out
-        try:
-            async with self._changed, asyncio.timeout(block_ms / 1000):
-                await self._changed.wait()
-        except TimeoutError:
-            return []
-        self._check()
-        return self._placements_after(after, count)
+        return await self._waiting(lambda: self._placements_after(after, count), block_ms)
 
     def _placements_after(self, after: str, count: int) -> list[tuple[str, str, bytes]]:
         floor = _id_tuple(after)
@@ -258,8 +250,13 @@ class MemoryBus(EventBus):
     async def read(
         self, positions: Mapping[str, str], count: int = 1000, block_ms: int | None = None
     ) -> list[StreamRead]:
+        return await self._waiting(lambda: self._collect(positions, count), block_ms)
+
+    async def _waiting(self, collect: Callable[[], list[_T]], block_ms: int | None) -> list[_T]:
+        """``collect()``, or, when it finds nothing, once more after the next append (up to
+        ``block_ms``), as a blocking XREAD does."""
         self._check()
-        out = self._collect(positions, count)
+        out = collect()
         if out or not block_ms:
             return out
         try:
@@ -268,7 +265,7 @@ class MemoryBus(EventBus):
         except TimeoutError:
             return []
         self._check()
-        return self._collect(positions, count)
+        return collect()
 
     def _collect(self, positions: Mapping[str, str], count: int) -> list[StreamRead]:
         out = []

@@ -12,8 +12,8 @@ policy state, as separate gateway processes do, and arrivals reach them in turn.
 leaves out is CPU: every replica reads events ``--event-lag`` after the engine emits them.
 A larger ``--event-lag`` stands in for consumers that fall behind.
 
-``--share``: with ``replicas.share_decisions`` (the gateway's default) every replica's
-speculative inserts reach the others ``--decision-lag`` later (``ShadowIndex.outbox`` and
+``--share``: with ``replicas.share_placements`` (the gateway's default) every replica's
+speculative inserts reach the others ``--placement-lag`` later (``ShadowIndex.outbox`` and
 ``adopt``, as ``gateway/decisions.py`` carries them over the bus); without it each replica
 learns of another's placement only from the engine's KV events, once the request is
 scheduled there. ``both`` runs the two on the same requests.
@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=1, help="workload seeds per load (0: the preset's)")
     p.add_argument("--share", default="both", choices=["on", "off", "both"],
                    help="replicas share their speculative inserts (the gateway's "
-                   "replicas.share_decisions), do not, or both in the same run")  # fmt: skip
-    p.add_argument("--decision-lag", type=float, default=0.02,
+                   "replicas.share_placements), do not, or both in the same run")  # fmt: skip
+    p.add_argument("--placement-lag", type=float, default=0.02,
                    help="seconds from one replica's decision to the others' indexes")  # fmt: skip
     p.add_argument("--event-lag", type=float,
                    help="seconds from a KV event to every replica's index (default: the "
@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--seeds must be >= 1")
     if args.event_lag is not None and args.event_lag < 0:
         raise SystemExit("--event-lag must be >= 0")
-    if args.decision_lag < 0:
-        raise SystemExit("--decision-lag must be >= 0")
+    if args.placement_lag < 0:
+        raise SystemExit("--placement-lag must be >= 0")
     shares = {"on": [True], "off": [False], "both": [True, False]}[args.share]
     try:
         name, params = parse_policy(args.policy)
@@ -136,8 +136,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for n, share in variants:
                 cluster = preset_cluster(cfg, args.policy, cfg.seed + seed, replicas=n)
                 cluster.event_lag = lag
-                cluster.share_decisions = share
-                cluster.decision_lag = args.decision_lag
+                cluster.share_placements = share
+                cluster.placement_lag = args.placement_lag
                 per[(n, share)].append(_window(simulate(arrivals, cluster), warmup))
         base = [r["hit_rate"] for r in per[variants[0]]]
         for n, share in variants:
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "duration_s": cfg.duration,
         "load_1_rps": one,
         "event_lag_s": lag,
-        "decision_lag_s": args.decision_lag,
+        "placement_lag_s": args.placement_lag,
         "judged_on_shared": judged,
         "rows": rows,
         "table": [{k: r[k] for k in _COLUMNS} for r in rows],
