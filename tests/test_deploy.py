@@ -1017,6 +1017,7 @@ def test_dashboard_is_generated_and_well_formed() -> None:
         "KV cache usage",
         "Circuit state",
         "Redis",
+        "Placements shared",
     ):
         assert wanted.lower() in titles.lower(), wanted
 

@@ -674,6 +674,24 @@ def panels() -> list[dict[str, Any]]:
     )
     L.add(
         timeseries(
+            "Placements shared between gateway replicas/s",
+            targets(
+                (
+                    "sum by (pod, outcome) (rate(kvroute_placements[$__rate_interval]))",
+                    "{{pod}} {{outcome}}",
+                ),
+            ),
+            description="Speculative inserts each replica sent the others (published), took "
+            "from them (adopted: about the other replicas' published), lost to a Redis error or "
+            "a full outbox (dropped) or could not decode (garbage). A lone gateway publishes "
+            "none: only a heartbeat a second. With replicas, adopted near 0 means they route "
+            "without knowing each other's placements (docs/protocol.md, section 9).",
+        ),
+        8,
+        8,
+    )
+    L.add(
+        timeseries(
             "Agent: canonical blocks published/s",
             targets(
                 (
