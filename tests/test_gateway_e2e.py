@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import json
+import os
 import random
 import socket
 import threading
@@ -185,12 +186,26 @@ def test_a_new_question_under_a_cached_document_is_routed_before_it_is_encoded(
     assert f"({exact} in the messages" in err["message"]
 
 
-def _open_tcp_ports_to(port: int) -> set[int]:
-    """Local ports of this machine's open TCP connections to ``port`` (/proc/net/tcp)."""
+def _socket_inodes(pids: list[int]) -> set[str]:
+    """Inodes of the sockets the processes ``pids`` hold open (/proc/<pid>/fd)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def _open_tcp_ports_to(port: int, pids: list[int]) -> set[int]:
+    """Local ports of the open TCP connections to ``port`` held by ``pids`` (/proc/net/tcp;
+    the agent beside the worker scrapes it too, on connections of its own)."""
+    mine = _socket_inodes(pids)
     ports = set()
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
-        if int(fields[2].split(":")[1], 16) == port and fields[3] == "01":
+        if int(fields[2].split(":")[1], 16) == port and fields[3] == "01" and fields[9] in mine:
             ports.add(int(fields[1].split(":")[1], 16))
     return ports
 
@@ -207,7 +222,9 @@ def test_streams_keep_their_worker_connection_alive(tmp_path: Path) -> None:
         assert port is not None
         c = client(s)
         c.completions.create(model=MODEL, prompt=text(90, 20), max_tokens=2)
-        before = _open_tcp_ports_to(port)
+        pids = s.gateway_pids()
+        assert pids
+        before = _open_tcp_ports_to(port, pids)
         used: set[int] = set()
         for i in range(20):
             stream = c.completions.create(
@@ -216,7 +233,9 @@ def test_streams_keep_their_worker_connection_alive(tmp_path: Path) -> None:
             pieces = []
             for chunk in stream:
                 if not pieces:  # mid-stream: the gateway's connection to the worker is open
-                    used |= _open_tcp_ports_to(port) - before
+                    held = _open_tcp_ports_to(port, pids)
+                    assert held, "the gateway holds no connection to the worker mid-stream"
+                    used |= held - before
                 pieces.extend(ch.text for ch in chunk.choices)
             assert "".join(pieces)
         assert len(used) <= 1, f"{len(used)} new connections for 20 streams"
