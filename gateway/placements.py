@@ -166,7 +166,10 @@ class PlacementFeed:
 
     async def _publish_loop(self) -> None:
         while True:
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception:  # a bug must not end sharing for the life of the process
+                log.exception("placements: publishing failed")
             await asyncio.sleep(self.interval)  # the batching period, not a synchronisation
 
     # -- adopting ---------------------------------------------------------------------------
@@ -209,7 +212,11 @@ class PlacementFeed:
             self._up()
             for sid, origin, data in batches:
                 position = sid
-                self.adopt(data, origin)
+                try:
+                    self.adopt(data, origin)
+                except Exception:  # a bug must not end sharing for the life of the process
+                    self.stats.garbage += 1
+                    log.exception("placements: adopting a batch failed")
 
     def _down(self, exc: BusError) -> None:
         if not self._outage:

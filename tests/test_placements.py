@@ -176,3 +176,30 @@ def test_a_gateway_shares_placements_when_its_bus_carries_them() -> None:
     for bad in ({"interval": 0.0}, {"max_pending": 0}):
         with pytest.raises(ConfigError, match="replicas"):
             _config(**bad).validate()
+
+
+class _Exploding:
+    """An index whose ``adopt`` fails (a bug in it must not end the feed)."""
+
+    outbox: list[tuple[str, int | None, list[int]]] | None = None
+
+    def adopt(self, worker: str, parent: int | None, keys: list[int], now: float) -> int:
+        raise RuntimeError("boom")
+
+
+async def test_a_failing_adopt_is_counted_and_reading_goes_on() -> None:
+    bus = MemoryBus()
+    feed = PlacementFeed(bus, _Exploding(), origin="b")  # type: ignore[arg-type]
+    await feed.start()
+    try:
+        batch = encode_placements(Placements(PROTOCOL_VERSION, "a", [Placement("w1", None, [1])]))
+        # sent until two were read (the read loop starts from the tail, whenever it reads it)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10.0
+        while feed.stats.garbage < 2:
+            assert loop.time() < deadline, "the feed stopped reading"
+            await bus.publish_placements("a", batch)
+            await asyncio.sleep(0.01)
+        assert feed.stats.adopted == 0
+    finally:
+        await feed.stop()
