@@ -93,7 +93,7 @@ class ShadowIndex:
         #: bumped whenever a worker's slot is freed (its bit may then name another worker)
         self.slot_epoch = 0
         #: this index's own speculative inserts as (worker, parent, keys), for the gateway to
-        #: share with its replicas (``gateway/decisions.py``, which drains it); None: not kept
+        #: share with its replicas (``gateway/placements.py``, which drains it); None: not kept
         self.outbox: list[tuple[str, int | None, list[int]]] | None = None
 
     # -- workers ----------------------------------------------------------------------------

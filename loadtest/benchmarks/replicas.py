@@ -14,13 +14,13 @@ A larger ``--event-lag`` stands in for consumers that fall behind.
 
 ``--share``: with ``replicas.share_placements`` (the gateway's default) every replica's
 speculative inserts reach the others ``--placement-lag`` later (``ShadowIndex.outbox`` and
-``adopt``, as ``gateway/decisions.py`` carries them over the bus); without it each replica
+``adopt``, as ``gateway/placements.py`` carries them over the bus); without it each replica
 learns of another's placement only from the engine's KV events, once the request is
 scheduled there. ``both`` runs the two on the same requests.
 
 The hit rate is the live figure's: the requests scheduled after the warm-up. ``ok``: every
 count with a Q4 bound (4: 2 points, 8: 3 points) within it (mean over seeds), judged with
-shared decisions where they ran.
+shared placements where they ran.
 """
 
 from __future__ import annotations
