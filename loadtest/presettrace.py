@@ -51,7 +51,15 @@ from loadtest.compare import (
 from loadtest.simulate import parse_policy
 from loadtest.workloads import make_workload
 
-__all__ = ["load_rates", "main", "preset_cluster", "preset_config", "preset_stream", "window_ttfts"]
+__all__ = [
+    "load_rates",
+    "main",
+    "parse_loads",
+    "preset_cluster",
+    "preset_config",
+    "preset_stream",
+    "window_ttfts",
+]
 
 
 def preset_config(preset: str, duration: float | None = None) -> CompareConfig:
@@ -299,10 +307,27 @@ def _edges(p: argparse.ArgumentParser, text: str) -> list[int]:
     return edges
 
 
-def _loads(p: argparse.ArgumentParser, text: str, cfg: CompareConfig) -> list[float]:
+def parse_loads(text: str, cfg: CompareConfig) -> list[float]:
+    """``--loads``: comma-separated positive fractions of load 1.0, or ``preset`` (the
+    preset's own loads); ValueError otherwise."""
     if text == "preset":
         return list(cfg.loads)
-    return _numbers(p, "--loads", text, "positive fractions of load 1.0, e.g. 0.3,0.6, or 'preset'")
+    try:
+        xs = [float(x) for x in text.split(",")]
+    except ValueError:
+        xs = []
+    if not xs or min(xs) <= 0:
+        raise ValueError(
+            f"--loads {text!r}: positive fractions of load 1.0, e.g. 0.3,0.6, or 'preset'"
+        )
+    return xs
+
+
+def _loads(p: argparse.ArgumentParser, text: str, cfg: CompareConfig) -> list[float]:
+    try:
+        return parse_loads(text, cfg)
+    except ValueError as exc:
+        p.error(str(exc))
 
 
 def load_rates(cfg: CompareConfig, loads: list[float]) -> list[float]:

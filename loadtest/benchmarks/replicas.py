@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from gateway.routing.policy import make_policy
-from loadtest.clustersim import SimResult, simulate
+from loadtest.clustersim import ClusterConfig, SimResult, simulate
 from loadtest.compare import neutral_capacity
-from loadtest.presettrace import preset_cluster, preset_config, preset_stream
+from loadtest.presettrace import parse_loads, preset_cluster, preset_config, preset_stream
 from loadtest.simulate import parse_policy, parse_replicas
 
 NAME = "replicas"
@@ -64,18 +64,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--event-lag", type=float,
                    help="seconds from a KV event to every replica's index (default: the "
                    "simulator's 0.02)")  # fmt: skip
-
-
-def _loads(text: str, preset: list[float]) -> list[float]:
-    if text == "preset":
-        return list(preset)
-    try:
-        loads = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        loads = []
-    if not loads or min(loads) <= 0:
-        raise SystemExit(f"--loads {text!r}: positive fractions of load 1.0, or 'preset'")
-    return loads
 
 
 def _window(res: SimResult, warmup: float) -> dict[str, Any]:
@@ -117,14 +105,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except (ValueError, TypeError) as exc:
         raise SystemExit(f"--policy: {exc}") from None
     cfg = preset_config(args.preset, args.duration)
-    loads = _loads(args.loads, cfg.loads)
+    try:
+        loads = parse_loads(args.loads, cfg)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if args.capacity is not None and args.capacity <= 0:
         raise SystemExit("--capacity must be > 0 req/s")
     one = args.capacity or neutral_capacity(preset_stream(cfg, cfg.seed), cfg)["capacity_rps"]
     rates = [round(x * one, 3) for x in loads]
-    lag = preset_cluster(cfg, args.policy, cfg.seed).event_lag
-    if args.event_lag is not None:
-        lag = args.event_lag
     rows: list[dict[str, Any]] = []
     variants = [(n, share) for n in counts for share in (shares if n > 1 else [shares[0]])]
     for load, rate in zip(loads, rates, strict=True):
@@ -135,7 +123,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             arrivals = stream.arrivals(items)
             for n, share in variants:
                 cluster = preset_cluster(cfg, args.policy, cfg.seed + seed, replicas=n)
-                cluster.event_lag = lag
+                if args.event_lag is not None:
+                    cluster.event_lag = args.event_lag
                 cluster.share_placements = share
                 cluster.placement_lag = args.placement_lag
                 per[(n, share)].append(_window(simulate(arrivals, cluster), warmup))
@@ -170,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seeds": args.seeds,
         "duration_s": cfg.duration,
         "load_1_rps": one,
-        "event_lag_s": lag,
+        "event_lag_s": ClusterConfig().event_lag if args.event_lag is None else args.event_lag,
         "placement_lag_s": args.placement_lag,
         "judged_on_shared": judged,
         "rows": rows,
