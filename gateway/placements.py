@@ -98,6 +98,7 @@ class PlacementFeed:
         self.origin = origin or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.stats = PlacementStats()
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         self._outage = False  # logged once per outage
         self._peer_at = float("-inf")  # when another replica's batch was last read
         self._sent_at = float("-inf")  # when this replica last published a batch
@@ -108,19 +109,25 @@ class PlacementFeed:
 
     async def start(self) -> None:
         self.index.outbox = []
+        self._stopping = False
         self._tasks = [
             asyncio.create_task(self._publish_loop(), name="kvroute-placements-publish"),
             asyncio.create_task(self._read_loop(), name="kvroute-placements-read"),
         ]
 
     async def stop(self) -> None:
+        """Cancel the loops, as ``Consumer.stop`` does: a loop whose cancellation the Redis
+        client swallowed still ends at its next iteration (the stop flag), so this never
+        hangs. What was decided before the stop is still sent, if the bus answers at once."""
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
         self._tasks = []
-        await self.flush()  # what was decided before the stop still reaches the others
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                await self.flush()
         self.index.outbox = None
 
     # -- publishing -------------------------------------------------------------------------
@@ -165,7 +172,7 @@ class PlacementFeed:
             self.stats.heartbeats += 1
 
     async def _publish_loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.flush()
             except Exception:  # a bug must not end sharing for the life of the process
@@ -198,7 +205,7 @@ class PlacementFeed:
 
     async def _read_loop(self) -> None:
         position: str | None = None
-        while True:
+        while not self._stopping:
             try:
                 if position is None:
                     position = await self.bus.placements_tail()

@@ -203,3 +203,25 @@ async def test_a_failing_adopt_is_counted_and_reading_goes_on() -> None:
         assert feed.stats.adopted == 0
     finally:
         await feed.stop()
+
+
+class _Deaf(MemoryBus):
+    """A bus whose reads swallow their cancellation, as redis-py's can when a connection
+    breaks under a cancel."""
+
+    async def read_placements(
+        self, after: str, count: int = 256, block_ms: int | None = None
+    ) -> list[tuple[str, str, bytes]]:
+        try:
+            return await super().read_placements(after, count, block_ms)
+        except asyncio.CancelledError:
+            return []
+
+
+async def test_stop_ends_a_feed_whose_read_swallows_its_cancellation() -> None:
+    feed = PlacementFeed(_Deaf(), _index("w1"), origin="a")
+    await feed.start()
+    await until(lambda: feed.stats.heartbeats == 1)
+    tasks = list(feed._tasks)
+    await asyncio.wait_for(feed.stop(), 10)
+    assert all(t.done() for t in tasks) and feed.index.outbox is None
