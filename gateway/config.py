@@ -152,6 +152,11 @@ class ReplicaSettings:
     interval: float = 0.02
     #: placements kept for the next batch at most (the newest; the rest dropped, counted)
     max_pending: int = 10_000
+    #: also share each request's start and end, and the prefix it shared: every replica's
+    #: load views and prefix rates then count the others' requests (gateway/routing/remote.py)
+    share_load: bool = True
+    #: seconds after which another replica's request whose end was never heard stops counting
+    remote_ttl: float = 300.0
 
 
 @dataclass
@@ -313,6 +318,8 @@ class GatewayConfig:
             raise ConfigError("server.workers: must be >= 1")
         if self.replicas.interval <= 0 or self.replicas.max_pending < 1:
             raise ConfigError("replicas: interval must be > 0 and max_pending >= 1")
+        if self.replicas.remote_ttl <= 0:
+            raise ConfigError("replicas: remote_ttl must be > 0")
         rl = self.request_log
         if not 0.0 <= rl.sample <= 1.0:
             raise ConfigError("request_log.sample: must be between 0 and 1")

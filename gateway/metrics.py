@@ -302,6 +302,16 @@ class GatewayMetrics:
             multiprocess_mode="livesum",
             registry=r,
         )
+        self.remote_requests = Gauge(
+            "kvroute_remote_requests",
+            "Other gateway replicas' requests counted in this replica's load views "
+            "(replicas.share_load), by outcome: started, ended (their end heard), expired "
+            "(their end lost: origin silent or TTL), unknown (an end whose start was missed), "
+            "inflight (counted now)",
+            ["outcome"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
         self.gaps = Gauge(
             "kvroute_index_gaps",
             "Stream gaps detected by the consumer",

@@ -16,6 +16,12 @@ A batch is a hint with a TTL (``index.speculative_ttl``): one lost (the bus down
 trimmed stream) leaves the replicas as they would be without sharing, so nothing is retried
 or replayed; a replica that loses its place reads on from the stream's tail.
 
+Each batch also carries the replica's routers' journals (``Router.journal``): every request's
+start, first token and end, and the prefix it shared. The others count those requests in
+their load views and prefix rates (``gateway.routing.remote``) until their end, their
+origin's silence or a TTL, so R replicas see a worker as busy, and a hot prefix as popular,
+as one gateway would (``replicas.share_load``).
+
 A lone gateway has no one to tell: every replica publishes an empty batch every
 ``heartbeat_s`` (its presence), and sends its placements only while it has read another
 replica's batch within ``peer_ttl``; until then its outbox is emptied unsent (``unshared``).
@@ -31,22 +37,26 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gateway.contract.bus import BusError, EventBus
 from gateway.contract.wire import (
     PROTOCOL_VERSION,
+    Journal,
     Placement,
     Placements,
     decode_placements,
     encode_placements,
 )
+from gateway.pool import Pool
 from gateway.routing.index import ShadowIndex
+from gateway.routing.remote import RemoteRequests
+from gateway.routing.router import Router
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PlacementFeed", "PlacementStats"]
+__all__ = ["PlacementFeed", "PlacementStats", "shared_routers"]
 
 #: server-side wait of a read of the placements stream (a batch wakes it at once)
 _BLOCK_MS = 1000
@@ -62,8 +72,19 @@ class PlacementStats:
     heartbeats: int = 0  # empty batches sent (this replica's presence)
     unshared: int = 0  # placements not sent: no other replica heard from within peer_ttl
     dropped: int = 0  # placements not sent: the bus refused them, or too many pending
+    notes_published: int = 0  # journal notes (requests' starts, first tokens, ends) sent
+    notes_dropped: int = 0  # journal notes not sent (no peer, the bus down, too many)
     garbage: int = 0  # undecodable batches read
     read_errors: int = 0  # failed reads (the bus down)
+
+
+def shared_routers(pools: Iterable[Pool]) -> dict[str, Router]:
+    """Every pool's routers by the name their journals carry (the same on every replica)."""
+    out = {}
+    for p in pools:
+        out[p.name] = p.router
+        out[f"{p.name}/decode"] = p.decode_router
+    return out
 
 
 class PlacementFeed:
@@ -81,6 +102,8 @@ class PlacementFeed:
         peer_ttl: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
         origin: str | None = None,
+        routers: dict[str, Router] | None = None,
+        remote_ttl: float = 300.0,
     ) -> None:
         if interval <= 0 or max_pending < 1 or retry_s <= 0 or heartbeat_s <= 0:
             raise ValueError("interval, retry_s and heartbeat_s must be > 0, max_pending >= 1")
@@ -97,6 +120,11 @@ class PlacementFeed:
         #: this replica's id on the stream (it skips its own batches)
         self.origin = origin or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.stats = PlacementStats()
+        #: routers whose requests are shared (``replicas.share_load``), by pool name
+        #: (``pool``, ``pool/decode``): the same names on every replica
+        self.routers = routers or {}
+        self.remote = RemoteRequests(ttl=remote_ttl)
+        self._heard: dict[str, float] = {}  # origin -> when its last batch was read
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._outage = False  # logged once per outage
@@ -109,6 +137,8 @@ class PlacementFeed:
 
     async def start(self) -> None:
         self.index.outbox = []
+        for r in self.routers.values():
+            r.journal = []
         self._stopping = False
         self._tasks = [
             asyncio.create_task(self._publish_loop(), name="kvroute-placements-publish"),
@@ -129,6 +159,8 @@ class PlacementFeed:
             async with asyncio.timeout(1.0):
                 await self.flush()
         self.index.outbox = None
+        for r in self.routers.values():
+            r.journal = None
 
     # -- publishing -------------------------------------------------------------------------
 
@@ -144,32 +176,69 @@ class PlacementFeed:
         box.clear()
         return items
 
+    def take_journals(self) -> list[Journal]:
+        """Every router's journal since the last batch, emptied (a router's oldest notes
+        beyond ``max_pending`` dropped, counted: their requests then end by the TTL)."""
+        out = []
+        for name, r in self.routers.items():
+            notes = r.journal
+            if not notes:
+                continue
+            if len(notes) > self.max_pending:
+                self.stats.notes_dropped += len(notes) - self.max_pending
+                del notes[: len(notes) - self.max_pending]
+            out.append(Journal(name, list(notes)))
+            notes.clear()
+        return out
+
+    def _drop_journals(self) -> None:
+        for r in self.routers.values():
+            if r.journal:
+                self.stats.notes_dropped += len(r.journal)
+                r.journal.clear()
+
     async def flush(self) -> None:
         """One period's work: the outbox as one batch to the other replicas (emptied unsent
         while there are none), or an empty batch when a heartbeat is due. On a bus error the
         batch is dropped (counted)."""
         box = self.index.outbox
-        if box and not self.peers():  # no one to tell: emptied as it is
-            self.stats.unshared += len(box)
-            box.clear()
+        if not self.peers():  # no one to tell: emptied as it is
+            if box:
+                self.stats.unshared += len(box)
+                box.clear()
+            self._drop_journals()
         items = self.take()
+        journals = self.take_journals()
+        notes = sum(len(j.notes) for j in journals)
         now = self.clock()
-        if not items and now - self._sent_at < self.heartbeat_s:
+        self._housekeep(now)
+        if not items and not notes and now - self._sent_at < self.heartbeat_s:
             return
-        data = encode_placements(Placements(PROTOCOL_VERSION, self.origin, items))
+        data = encode_placements(Placements(PROTOCOL_VERSION, self.origin, items, journals))
         try:
             await self.bus.publish_placements(self.origin, data)
         except BusError as exc:
             self.stats.dropped += len(items)
+            self.stats.notes_dropped += notes
             self._down(exc)
             return
         self._up()
         self._sent_at = now
-        if items:
+        self.stats.notes_published += notes
+        if items or notes:
             self.stats.published += len(items)
             self.stats.batches_published += 1
         else:
             self.stats.heartbeats += 1
+
+    def _housekeep(self, now: float) -> None:
+        """End the remote requests whose END will not come: their origin fell silent, or
+        they outlived the TTL."""
+        for origin, at in list(self._heard.items()):
+            if now - at > self.peer_ttl:
+                del self._heard[origin]
+                self.remote.forget(origin)
+        self.remote.expire(now)
 
     async def _publish_loop(self) -> None:
         while not self._stopping:
@@ -197,10 +266,15 @@ class PlacementFeed:
             return 0
         now = self.clock()
         self._peer_at = now
+        self._heard[batch.origin] = now
         adopt = self.index.adopt
         for it in batch.items:
             self.stats.adopted_blocks += adopt(it.worker, it.parent, it.keys, now)
         self.stats.adopted += len(batch.items)
+        for j in batch.journals:
+            router = self.routers.get(j.name)
+            if router is not None:  # a pool this replica does not serve: nothing to count
+                self.remote.apply(batch.origin, j.name, router, j.notes, now)
         return len(batch.items)
 
     async def _read_loop(self) -> None:

@@ -20,6 +20,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import random
 import re
 import time
@@ -42,7 +43,7 @@ from gateway.contract.wire import key_digest
 from gateway.errors import ApiError, ErrorShape, anthropic_error_body, error_body
 from gateway.limits import Admission, TokenBucket
 from gateway.metrics import GatewayMetrics
-from gateway.placements import PlacementFeed
+from gateway.placements import PlacementFeed, shared_routers
 from gateway.pool import Pool
 from gateway.proxy import REQUEST_ID, Proxy, new_request_id
 from gateway.registry import Registry
@@ -133,7 +134,14 @@ class Gateway:
         )
         rs = cfg.replicas
         self.placements = (
-            PlacementFeed(self.bus, self.index, interval=rs.interval, max_pending=rs.max_pending)
+            PlacementFeed(
+                self.bus,
+                self.index,
+                interval=rs.interval,
+                max_pending=rs.max_pending,
+                routers=shared_routers(self.pools) if rs.share_load else None,
+                remote_ttl=rs.remote_ttl,
+            )
             if self.bus is not None and self.bus.carries_placements and rs.share_placements
             else None
         )
@@ -360,6 +368,12 @@ class Gateway:
             m.placements.labels("adopted").set(ps.adopted)
             m.placements.labels("dropped").set(ps.dropped)
             m.placements.labels("garbage").set(ps.garbage)
+            rs = self.placements.remote.stats
+            m.remote_requests.labels("started").set(rs.started)
+            m.remote_requests.labels("ended").set(rs.ended)
+            m.remote_requests.labels("expired").set(rs.expired)
+            m.remote_requests.labels("unknown").set(rs.unknown)
+            m.remote_requests.labels("inflight").set(len(self.placements.remote))
 
     def _forget_worker_metrics(self, wid: str) -> None:
         """Drop a departed worker's label sets (multiprocess mode cannot: the exposition
@@ -704,7 +718,10 @@ class Gateway:
                     "adapters_loaded": e.pool.router.adapters.loaded_on(wid),
                 }
             )
-        return web.json_response({"workers": out, "rejected_registrations": self.registry.rejected})
+        # pid: which process of a multi-process gateway answered (each keeps its own view)
+        return web.json_response(
+            {"workers": out, "rejected_registrations": self.registry.rejected, "pid": os.getpid()}
+        )
 
 
 def _shape(request: web.Request) -> ErrorShape:

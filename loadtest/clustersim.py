@@ -62,6 +62,7 @@ from gateway.routing.costmodel import CostModel, CostParams
 from gateway.routing.index import ShadowIndex
 from gateway.routing.keys import BlockKeyer
 from gateway.routing.policy import Decision, make_policy
+from gateway.routing.remote import RemoteRequests
 from gateway.routing.replication import WarmupIntent
 from gateway.routing.router import Router, Ticket
 from loadtest.driver import RequestRecord, balance
@@ -253,6 +254,10 @@ class ClusterConfig:
     #: ``replicas.share_placements``, on by default), which apply them ``placement_lag`` later
     share_placements: bool = True
     placement_lag: float = 0.02
+    #: with ``share_placements``, replicas also share their requests' starts and ends and the
+    #: prefixes they shared (the gateway's ``replicas.share_load``): each replica's load view
+    #: and prefix rates count the others' requests (gateway/routing/remote.py)
+    share_load: bool = True
     hash_seed: str = "kvroute-sim"
     keys: Literal["auto", "exact", "fingerprint"] = "auto"
     # agent -> Redis -> gateway
@@ -641,9 +646,14 @@ class ClusterSim:
         self.router = self.routers[0]
         self._next_replica = 0
         self._share = cfg.share_placements and cfg.replicas > 1
+        self._remote = [RemoteRequests() for _ in self.routers]
+        self._replica_of = {id(router): r for r, router in enumerate(self.routers)}
         if self._share:
             for index in self.indexes:
                 index.outbox = []
+            if cfg.share_load:
+                for router in self.routers:
+                    router.journal = []
         self._routed = [0] * cfg.replicas
         self.workers = [_Worker(i, n, cfg.new_engine()) for i, n in enumerate(self.names)]
         self._by_name = {w.name: w for w in self.workers}
@@ -790,13 +800,9 @@ class ClusterSim:
             self.after_route(a, decision)
         for intent in router.ctx.warmups.drain():
             self._warm(router, intent, tokens, t)
-        if self._share:  # this replica's speculative inserts (decision, warm-ups) go out
-            outbox = self.indexes[r].outbox
-            assert outbox is not None
-            if outbox:
-                self._push(t + self.config.placement_lag, _SHARED, r, list(outbox))
-                outbox.clear()
         ticket = router.started(decision, n, t)
+        if self._share:  # this replica's speculative inserts and journal go out
+            self._send(r, t)
         w = self._by_name[decision.worker]
         w.touched_at = t
         if w.ghost is not None:
@@ -935,6 +941,8 @@ class ClusterSim:
             f: _Flight = req.tag
             f.first = now
             f.router.first_token(f.ticket, now)
+            if f.router.journal:
+                self._send(self._replica_of[id(f.router)], now)
             if req.max_tokens > 1:
                 heapq.heappush(w.finishes, w.clock + req.max_tokens - 1)
         if res.finished:
@@ -943,6 +951,8 @@ class ClusterSim:
             for req in res.finished:
                 f = req.tag
                 f.router.finished(f.ticket, now)
+                if f.router.journal:
+                    self._send(self._replica_of[id(f.router)], now)
                 if f.index < 0:  # a warm-up: cost, not a request
                     continue
                 tab.index.append(f.index)
@@ -983,12 +993,29 @@ class ClusterSim:
                 ops.append((_CLEAR, None, []))
         self._push(now + self.config.event_lag, _BUS, w, ops)
 
+    def _send(self, r: int, t: float) -> None:
+        """Replica ``r``'s speculative inserts and journal notes, on their way to the others."""
+        outbox = self.indexes[r].outbox
+        journal = self.routers[r].journal
+        assert outbox is not None
+        if outbox or journal:
+            notes = list(journal) if journal else []
+            self._push(t + self.config.placement_lag, _SHARED, r, (list(outbox), notes))
+            outbox.clear()
+            if journal:
+                journal.clear()
+
     def _shared(self, source: int, payload: Any, t: float) -> None:
-        """A replica's speculative inserts reach the others (``ShadowIndex.adopt``)."""
+        """A replica's speculative inserts reach the others (``ShadowIndex.adopt``), and its
+        requests their load views and prefix rates (``RemoteRequests``)."""
+        items, notes = payload
+        origin = str(source)
         for r, index in enumerate(self.indexes):
             if r != source:
-                for worker, parent, keys in payload:
+                for worker, parent, keys in items:
                     index.adopt(worker, parent, keys, t)
+                if notes:
+                    self._remote[r].apply(origin, "", self.routers[r], notes, t)
 
     def _apply(self, w: _Worker, payload: Any, t: float) -> None:
         name = w.name

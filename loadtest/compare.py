@@ -642,6 +642,12 @@ def _adopted_per_replica(stack: Stack, replicas: int) -> list[int]:
     return [int(stack.metric_sum("kvroute_placements", g, adopted)) for g in range(replicas)]
 
 
+def _remote_per_replica(stack: Stack, replicas: int) -> list[int]:
+    """Other replicas' requests each kvroute replica counted (``kvroute_remote_requests``)."""
+    started = 'outcome="started"'
+    return [int(stack.metric_sum("kvroute_remote_requests", g, started)) for g in range(replicas)]
+
+
 def scrape_workers(urls: list[str], dp_size: int = 1) -> dict[str, dict[str, float]]:
     """Per worker (per data-parallel rank, ``worker-<i>.dp<r>``, when workers have several):
     requests finished, prompt tokens, cached prompt tokens (engine counters)."""
@@ -976,6 +982,7 @@ class _Runner:
             precision = None
             served: list[int] | None = None
             adopted: list[int] | None = None
+            remote: list[int] | None = None
             if kvroute:  # the whole run: its gateways started with it, counters at zero
                 # (a window would split requests in flight at its start: predicted counted at
                 # their first token, agreed at their usage)
@@ -984,6 +991,7 @@ class _Runner:
                     precision = round(agreed / predicted, 4)
                 served = _served_per_replica(stack, cfg.replicas)
                 adopted = _adopted_per_replica(stack, cfg.replicas)
+                remote = _remote_per_replica(stack, cfg.replicas)
         finally:
             _stop_peers(stack, peers)
         measured = [
@@ -1034,6 +1042,8 @@ class _Runner:
             "routed_per_replica": served,
             # placements (speculative inserts) each replica adopted from the others
             "placements_adopted_per_replica": adopted,
+            # other replicas' requests each counted in its load views (replicas.share_load)
+            "remote_requests_per_replica": remote,
             "warmup_s": round(warmup, 1),
             "ttfts_ms": ttfts,
             # by request (the window's index; None: failed), so that systems pair up

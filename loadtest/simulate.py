@@ -343,6 +343,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cl.add_argument("--no-share-placements", dest="share_placements", action="store_false",
                     help="replicas keep their speculative inserts to themselves (the gateway's "
                     "replicas.share_placements: false)")  # fmt: skip
+    cl.add_argument("--no-share-load", dest="share_load", action="store_false",
+                    help="shared placements carry no requests: each replica's load view and "
+                    "prefix rates count its own (the gateway's replicas.share_load: false)")  # fmt: skip
     cl.add_argument("--kv-blocks", type=int,
                     help=f"KV blocks per worker (default {DEFAULT_KV_TOKENS} tokens' worth)")  # fmt: skip
     cl.add_argument("--block-size", type=int,
@@ -471,6 +474,7 @@ def _config(args: argparse.Namespace, policy: str, replicas: int = 1) -> Cluster
     return ClusterConfig(
         replicas=replicas,
         share_placements=args.share_placements,
+        share_load=args.share_load,
         workers=args.workers,
         names=args.names,
         policy=policy,

@@ -506,12 +506,19 @@ class Stack:
         """Until every gateway is ready and sees ``healthy`` (default: all) workers healthy."""
         want = len(self.worker_urls) * self.config.dp_size if healthy is None else healthy
         deadline = time.monotonic() + (timeout or self.config.start_timeout)
-        for url in self.gateway_urls:
+        for g, url in enumerate(self.gateway_urls):
+            # each process of a multi-process gateway keeps its own view: every one must have
+            # answered ready (each request is a new connection, which the kernel spreads)
+            pending = set(self.gateway_pids(g))
             while True:
                 try:
-                    ws = self.workers(url)
+                    status, body = _get(url + "/workers", ADMIN_KEY)
+                    listing = json.loads(body) if status == 200 else {}
+                    ws = listing.get("workers", [])
                     if _get(url + "/ready")[0] == 200 and sum(w["healthy"] for w in ws) >= want:
-                        break
+                        pending.discard(listing.get("pid"))
+                        if not pending:
+                            break
                 except (OSError, ValueError):
                     pass
                 if time.monotonic() > deadline:

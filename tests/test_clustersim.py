@@ -583,3 +583,25 @@ def test_a_replica_does_not_see_another_replicas_decisions() -> None:
 def test_replicas_must_be_at_least_one() -> None:
     with pytest.raises(ValueError, match="replicas"):
         ClusterConfig(replicas=0)
+
+
+def test_replicas_sharing_load_count_each_others_requests_in_flight() -> None:
+    """With ``share_load`` a replica's request counts in the other's load view from
+    ``placement_lag`` after its start to its end; without it, it does not."""
+    prompt = array("I", range(2, 2002)).tobytes()
+    arrivals = [Arrival(0, 0.0, prompt, 8), Arrival(1, 0.010, prompt, 8)]
+    seen: dict[bool, int] = {}
+    for share_load in (True, False):
+        sim = ClusterSim(
+            ClusterConfig(**CHAT_CLUSTER, replicas=2, placement_lag=0.005, share_load=share_load)
+        )
+
+        def look(a: Arrival, sim: ClusterSim = sim, share_load: bool = share_load) -> None:
+            if a.index == 1:  # replica 1, before routing: what it knows of replica 0's request
+                seen[share_load] = sim.routers[1].loads.inflight_total()
+
+        sim.before_route = look
+        res = sim.run(arrivals)
+        assert len(res.ttfts_ms()) == 2
+        assert sim.routers[1].loads.inflight_total() == 0  # every request ended everywhere
+    assert seen == {True: 1, False: 0}

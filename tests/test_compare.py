@@ -524,7 +524,9 @@ def test_gateway_replicas_behind_a_round_robin_front(tmp_path: Path) -> None:
     assert rows["smg-cache_aware"]["routed_per_replica"] is None
     # each kvroute replica adopted the other's placements (Redis carries them between)
     assert min(rows["kvroute"]["placements_adopted_per_replica"]) > 0, rows["kvroute"]
+    assert min(rows["kvroute"]["remote_requests_per_replica"]) > 0, rows["kvroute"]
     assert rows["smg-cache_aware"]["placements_adopted_per_replica"] is None
+    assert rows["smg-cache_aware"]["remote_requests_per_replica"] is None
     assert rows["kvroute"]["hit_rate"] > rows["kvroute-round_robin"]["hit_rate"]
     text = (Path(cfg.out_dir) / "compare.md").read_text()
     share = " / ".join(map(str, rows["kvroute"]["per_replica"]))

@@ -29,6 +29,7 @@ from loadtest.stack import Stack, StackConfig, wait_for
 
 PREFILL = ["worker-0", "worker-1"]
 DECODE = ["worker-2", "worker-3"]
+PRECISION = ("kvroute_predicted_matched_tokens_total", "kvroute_agreed_cached_tokens_total")
 
 
 def prefill_hits(stack: Stack) -> dict[str, int]:
@@ -93,7 +94,15 @@ def test_pairs_are_routed_by_cache_and_each_half_predicted(tmp_path: Path, flavo
         # SGLang's prefill half may end its answer after the decode half has answered the
         # client; the gateway reads it to the end (its usage) off the client's path
         agreed = lambda: stack.metric_sum("kvroute_agreed_cached_tokens_total")  # noqa: E731
-        assert wait_for(lambda: agreed() == predicted, 10) is not None, (agreed(), predicted)
+        assert wait_for(lambda: agreed() == predicted, 10) is not None, (
+            agreed(),
+            predicted,
+            {
+                w: [stack.metric_sum(n, label=f'worker="{w}"') for n in PRECISION]
+                for w in PREFILL + DECODE
+            },
+            rows,
+        )
     # the prefill engine reused exactly what the gateway predicted for it, and so did the
     # decode engine (it caches what it received: a conversation's next turn finds it there)
     assert [r[0] for r in rows] == [r[1] for r in rows], rows

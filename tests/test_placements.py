@@ -15,6 +15,7 @@ from gateway.contract.bus import EventBus, MemoryBus
 from gateway.contract.redis_bus import RedisBus
 from gateway.contract.wire import (
     PROTOCOL_VERSION,
+    Journal,
     Placement,
     Placements,
     decode_placements,
@@ -22,6 +23,9 @@ from gateway.contract.wire import (
 )
 from gateway.placements import PlacementFeed
 from gateway.routing.index import ShadowIndex
+from gateway.routing.policy import make_policy
+from gateway.routing.remote import RemoteRequests
+from gateway.routing.router import END, FIRST, START, Router
 from gateway.server import Gateway
 from gateway.tokenization import bundled_test_tokenizer
 from loadtest.harness import RedisServer
@@ -42,7 +46,12 @@ def test_placements_round_trip_and_refuse_garbage() -> None:
         enc.encode([PROTOCOL_VERSION, "gw-a", [["w1", None, [-5]]]]),  # a negative key
         enc.encode([PROTOCOL_VERSION, "gw-a", [["w1", -1, [1]]]]),  # negative parent
         enc.encode([PROTOCOL_VERSION, "gw-a", [["w1", None, ["x"]]]]),
+        enc.encode([PROTOCOL_VERSION, "gw-a", [], [["p", [[0, 1, "w1", 5]]]]]),  # short note
+        enc.encode([PROTOCOL_VERSION, "gw-a", [], [["p", [[0, "x", "w1", 5, 0, -1]]]]]),
     ]
+    journal = Journal("p", [(START, 1, "w1", 5, 0, -1), (END, 1, "", 0, 0, 0)])
+    with_load = Placements(PROTOCOL_VERSION, "gw-a", [], [journal])
+    assert decode_placements(encode_placements(with_load)) == with_load
     for data in bad:
         with pytest.raises(ValueError):
             decode_placements(data)
@@ -170,10 +179,13 @@ def _config(**replicas: object) -> GatewayConfig:
 
 
 def test_a_gateway_shares_placements_when_its_bus_carries_them() -> None:
-    assert isinstance(Gateway(_config(), bus=MemoryBus()).placements, PlacementFeed)
+    feed = Gateway(_config(), bus=MemoryBus()).placements
+    assert isinstance(feed, PlacementFeed) and set(feed.routers) == {"m", "m/decode"}
+    feed = Gateway(_config(share_load=False), bus=MemoryBus()).placements
+    assert feed is not None and feed.routers == {}
     assert Gateway(_config(share_placements=False), bus=MemoryBus()).placements is None
     assert Gateway(_config()).placements is None  # static workers, no bus
-    for bad in ({"interval": 0.0}, {"max_pending": 0}):
+    for bad in ({"interval": 0.0}, {"max_pending": 0}, {"remote_ttl": 0.0}):
         with pytest.raises(ConfigError, match="replicas"):
             _config(**bad).validate()
 
@@ -225,3 +237,119 @@ async def test_stop_ends_a_feed_whose_read_swallows_its_cancellation() -> None:
     tasks = list(feed._tasks)
     await asyncio.wait_for(feed.stop(), 10)
     assert all(t.done() for t in tasks) and feed.index.outbox is None
+
+
+# -- shared load: each replica's requests counted in the others' load views ---------------------
+
+
+def _router(index: ShadowIndex, *workers: str) -> Router:
+    router = Router(make_policy("prefix"), block_size=1, index=index)
+    for w in workers:
+        router.add_worker(w)
+    return router
+
+
+def test_a_routers_journal_records_its_requests_and_the_prefix_they_shared() -> None:
+    """Every start carries the popularity key its route observed (-1: no shared prefix; -2:
+    not a routed request, e.g. a warm-up), then its first token and end; off by default."""
+    index = _index("w1", "w2")
+    router = _router(index, "w1", "w2")
+    d = router.route([500, 501], 2, now=1.0)
+    router.finished(router.started(d, 2, 1.0), 1.5)  # journal off: nothing kept
+    assert router.journal is None
+    router.journal = []
+    index.stored("w1", None, CHAIN[:4])
+    d = router.route(CHAIN, len(CHAIN), now=2.0)
+    warm = router.route(CHAIN[:2], 2, now=2.0, dry_run=True)
+    t_warm = router.started(warm, 2, 2.0)  # a decision the route did not observe
+    t = router.started(d, len(CHAIN), 2.0)
+    router.first_token(t, 2.1)
+    router.first_token(t, 2.2)  # twice: journalled once
+    router.finished(t, 2.3)
+    router.finished(t_warm, 2.3)
+    cold = router.route([999], 1, now=3.0)
+    router.started(cold, 1, 3.0)
+    (w, s, f, e, ew, c) = router.journal
+    assert w[0] == START and w[5] == -2 and ew == (END, t_warm.rid, "", 0, 0, 0)
+    assert s == (START, t.rid, d.worker, len(CHAIN) - d.matched_tokens, d.matched_tokens,
+                 CHAIN[3])  # fmt: skip
+    assert f == (FIRST, t.rid, "", 0, 0, 0) and e == (END, t.rid, "", 0, 0, 0)
+    assert c[0] == START and c[5] == -1
+
+
+def test_remote_requests_load_a_worker_until_their_end_silence_or_ttl() -> None:
+    """Remote starts count in the local load view (and popularity) like local ones; FIRST and
+    END follow them; a request whose END is lost ends by the TTL or its origin's silence; an
+    unknown worker, a duplicate START, an END never started change nothing."""
+    router = _router(_index("w1", "w2"), "w1", "w2")
+    remote = RemoteRequests(ttl=10.0)
+    notes = [
+        (START, 1, "w1", 500, 100, CHAIN[3]),
+        (START, 1, "w1", 500, 100, CHAIN[3]),  # a duplicate: counted once
+        (START, 2, "w1", 300, 0, -1),
+        (START, 3, "gone", 300, 0, -1),  # a worker this replica does not know
+        (START, 4, "w2", 50, 0, -2),  # a warm-up: load, not an arrival
+    ]
+    remote.apply("a", "pool", router, notes, now=1.0)
+    assert router.loads.inflight("w1") == 2 and router.loads.inflight("w2") == 1
+    assert router.loads.view("w1").queued_prefill_tokens >= 800
+    assert router.ctx.popularity.weight(CHAIN[3], 1.0) == 2.0
+    assert (remote.stats.started, remote.stats.arrivals, len(remote)) == (3, 4, 3)
+    remote.apply("a", "pool", router, [(FIRST, 1, "", 0, 0, 0), (END, 2, "", 0, 0, 0)], 2.0)
+    assert router.loads.inflight("w1") == 1 and router.loads.view("w1").queued_prefill_tokens == 0
+    remote.apply("a", "pool", router, [(END, 99, "", 0, 0, 0), (FIRST, 98, "", 0, 0, 0)], 2.0)
+    assert remote.stats.unknown == 2 and remote.stats.ended == 1
+    assert remote.forget("a") == 2 and router.loads.inflight_total() == 0
+    remote.apply("b", "pool", router, [(START, 1, "w2", 10, 0, -1)], now=5.0)
+    assert remote.expire(14.9) == 0 and router.loads.inflight("w2") == 1
+    assert remote.expire(15.0) == 1 and router.loads.inflight("w2") == 0
+    assert remote.stats.expired == 3 and len(remote) == 0 and remote.origins() == set()
+
+
+async def test_replicas_count_each_others_requests_until_they_end() -> None:
+    """Two feeds on one bus: a request b routes loads a's view of its worker from the next
+    batch until its END arrives; a replica that falls silent has its requests forgotten; a
+    lone replica drops its journal unsent; a pool the reader does not serve is skipped."""
+    now = [100.0]
+    bus = MemoryBus()
+    ra, rb = _router(_index("w1", "w2"), "w1", "w2"), _router(_index("w1", "w2"), "w1", "w2")
+    a = PlacementFeed(bus, ra.index, origin="a", clock=lambda: now[0], routers={"p": ra})
+    b = PlacementFeed(bus, rb.index, origin="b", clock=lambda: now[0],
+                      routers={"p": rb, "other": _router(_index())})  # fmt: skip
+    for f in (a, b):
+        f.index.outbox = []
+        for r in f.routers.values():
+            r.journal = []
+    position = "0-0"
+
+    async def deliver() -> None:
+        nonlocal position
+        for sid, origin, data in await bus.read_placements(position):
+            position = sid
+            a.adopt(data, origin)
+            b.adopt(data, origin)
+
+    d = rb.route(CHAIN, len(CHAIN), now=now[0])
+    ticket = rb.started(d, len(CHAIN), now[0])
+    await b.flush()  # alone: the journal goes unsent
+    assert b.stats.notes_dropped == 1 and rb.journal == []
+    await a.flush()
+    await deliver()  # each hears the other now
+    ticket = rb.started(d, len(CHAIN), now[0])
+    await b.flush()
+    await deliver()
+    assert b.stats.notes_published == 1 and ra.loads.inflight(d.worker) == 1
+    assert ra.loads.view(d.worker).queued_prefill_tokens == len(CHAIN)
+    assert rb.loads.inflight(d.worker) == 2  # its own two, never its own notes read back
+    rb.first_token(ticket, now[0])
+    rb.finished(ticket, now[0])
+    await b.flush()
+    await deliver()
+    assert ra.loads.inflight_total() == 0 and a.remote.stats.ended == 1
+    rb.started(d, len(CHAIN), now[0])
+    await b.flush()
+    await deliver()
+    assert ra.loads.inflight_total() == 1
+    now[0] += 3.5  # b silent past peer_ttl: a forgets its requests
+    await a.flush()
+    assert ra.loads.inflight_total() == 0 and a.remote.stats.expired == 1

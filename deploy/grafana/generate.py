@@ -692,6 +692,26 @@ def panels() -> list[dict[str, Any]]:
     )
     L.add(
         timeseries(
+            "Other replicas' requests counted in each replica's load view",
+            targets(
+                ('sum by (pod) (kvroute_remote_requests{outcome="inflight"})', "{{pod}} in flight"),
+                (
+                    'sum by (pod, outcome) (rate(kvroute_remote_requests{outcome!="inflight"}'
+                    "[$__rate_interval]))",
+                    "{{pod}} {{outcome}}/s",
+                ),
+            ),
+            description="replicas.share_load: the other replicas' requests each replica counts "
+            "in its load views and prefix rates (started), and how they stopped counting: their "
+            "end heard (ended), or lost (expired: their replica fell silent, or the TTL). Expired "
+            "or unknown above a trickle means notes are lost on the way (Redis errors, a full "
+            "journal), and each replica then sees the others' load later, from engine reports.",
+        ),
+        8,
+        8,
+    )
+    L.add(
+        timeseries(
             "Agent: canonical blocks published/s",
             targets(
                 (

@@ -139,13 +139,24 @@ class Placement(msgspec.Struct, array_like=True, frozen=True):
     keys: list[_Key]
 
 
+class Journal(msgspec.Struct, array_like=True, frozen=True):
+    """One router's requests since the last batch (``Router.journal``): ``name`` is its pool
+    (``pool`` or ``pool/decode``), each note ``(kind, rid, worker, uncached, cached,
+    arrival)`` as ``gateway.routing.router.Note`` describes."""
+
+    name: str
+    notes: list[tuple[int, int, str, int, int, int]]
+
+
 class Placements(msgspec.Struct, array_like=True, frozen=True):
     """A batch of one gateway replica's placements; ``origin`` is its id (a replica skips
-    its own)."""
+    its own). ``journals``: its requests' starts and ends (their load, and the prefix
+    rates), for the others' load views (``gateway.routing.remote``)."""
 
     v: int
     origin: str
     items: list[Placement]
+    journals: list[Journal] = []
 
 
 _placements_dec = msgspec.msgpack.Decoder(Placements)

@@ -27,7 +27,14 @@ from gateway.routing.keys import LazyKeys
 from gateway.routing.load import LoadTracker
 from gateway.routing.policy import Decision, Policy, PolicyContext, PoolView, RouteRequest
 
-__all__ = ["NoCandidates", "Router", "Ticket"]
+__all__ = ["END", "FIRST", "START", "NoCandidates", "Note", "Router", "Ticket"]
+
+#: kinds of a journal ``Note`` (see ``Router.journal``)
+START, FIRST, END = 0, 1, 2
+#: (kind, rid, worker, uncached tokens, cached tokens, arrival): ``arrival`` on a START is
+#: the popularity key of the request routed (-1: it shared no prefix; -2: not a routed
+#: request, e.g. a warm-up); the other fields are 0 / "" where a kind has none
+Note = tuple[int, int, str, int, int, int]
 
 
 class NoCandidates(LookupError):
@@ -80,6 +87,14 @@ class Router:
             speculated_at=self.index.speculated_at,
         )
         self.speculate = speculate
+        #: when not None, every request's start, first token and end (``Note``s), and the
+        #: popularity key its route observed, for the other gateway replicas
+        #: (gateway/placements.py): their load views and prefix rates then count the
+        #: requests this replica sent, as one gateway's would
+        self.journal: list[Note] | None = None
+        #: the last routed decision and the popularity key its route observed (its START
+        #: carries it; a warm-up's decision, or a retry's, is another object)
+        self._routed: tuple[Decision | None, int] = (None, -2)
         #: the engines' own block size: they reuse whole engine blocks only (set from the
         #: workers' registrations; 1 = any canonical block boundary)
         self.engine_block_size = 1
@@ -166,9 +181,13 @@ class Router:
             if adapter is not None:
                 self.adapters.routed(decision.worker, adapter)
             if pool.masks:  # the prefix this request shares with the cluster's caches
-                self.ctx.popularity.observe(keys[pool.masks[0][0] - 1], now)
+                shared = keys[pool.masks[0][0] - 1]
+                self.ctx.popularity.observe(shared, now)
             else:
                 self.ctx.popularity.observe_request(now)
+                shared = -1
+            if self.journal is not None:
+                self._routed = (decision, shared)
             if self.speculate and keys:
                 start = decision.matched_tokens // self.block_size
                 if isinstance(keys, LazyKeys) and keys.computed < len(keys):
@@ -183,12 +202,21 @@ class Router:
         uncached = max(prompt_tokens - decision.matched_tokens, 1)
         cached = max(prompt_tokens - uncached, 0)
         rid = self.loads.started(decision.worker, uncached, now, cached)
+        if self.journal is not None:
+            routed, arrival = self._routed
+            if routed is decision:
+                self._routed = (None, -2)
+            else:
+                arrival = -2
+            self.journal.append((START, rid, decision.worker, uncached, cached, arrival))
         return Ticket(rid, decision, now)
 
     def first_token(self, ticket: Ticket, now: float) -> None:
         """The first token arrived: the request's prefill is done."""
         if not self.loads.first_token(ticket.rid):
             return
+        if self.journal is not None:
+            self.journal.append((FIRST, ticket.rid, "", 0, 0, 0))
         predicted = ticket.decision.predicted_ttft_ms
         if predicted is not None:
             self.ctx.cost.observe(predicted, (now - ticket.sent_at) * 1000.0)
@@ -196,3 +224,5 @@ class Router:
     def finished(self, ticket: Ticket, now: float) -> None:
         """The request ended (success, error or cancellation)."""
         self.loads.finished(ticket.rid)
+        if self.journal is not None:
+            self.journal.append((END, ticket.rid, "", 0, 0, 0))

@@ -16,7 +16,10 @@ A larger ``--event-lag`` stands in for consumers that fall behind.
 speculative inserts reach the others ``--placement-lag`` later (``ShadowIndex.outbox`` and
 ``adopt``, as ``gateway/placements.py`` carries them over the bus); without it each replica
 learns of another's placement only from the engine's KV events, once the request is
-scheduled there. ``both`` runs the two on the same requests.
+scheduled there. ``both`` runs the two on the same requests. ``--share-load`` (on by default,
+as the gateway's ``replicas.share_load``): shared placements also carry each replica's
+requests (start, first token, end, the prefix shared), counted in the others' load views and
+prefix rates (``gateway/routing/remote.py``); ``off`` shares the placements alone.
 
 The hit rate is the live figure's: the requests scheduled after the warm-up. ``ok``: every
 count with a Q4 bound (4: 2 points, 8: 3 points) within it (mean over seeds), judged with
@@ -59,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share", default="both", choices=["on", "off", "both"],
                    help="replicas share their speculative inserts (the gateway's "
                    "replicas.share_placements), do not, or both in the same run")  # fmt: skip
+    p.add_argument("--share-load", default="on", choices=["on", "off"],
+                   help="shared placements also carry each replica's requests, counted in the "
+                   "others' load views and prefix rates (the gateway's replicas.share_load)")  # fmt: skip
     p.add_argument("--placement-lag", type=float, default=0.02,
                    help="seconds from one replica's decision to the others' indexes")  # fmt: skip
     p.add_argument("--event-lag", type=float,
@@ -126,6 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if args.event_lag is not None:
                     cluster.event_lag = args.event_lag
                 cluster.share_placements = share
+                cluster.share_load = args.share_load == "on"
                 cluster.placement_lag = args.placement_lag
                 per[(n, share)].append(_window(simulate(arrivals, cluster), warmup))
         base = [r["hit_rate"] for r in per[variants[0]]]
@@ -138,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "rate": rate,
                 "replicas": n,
                 "shared": share if n > 1 else None,
+                "shared_load": share and args.share_load == "on" if n > 1 else None,
                 "requests": runs[0]["requests"],
                 "hit_rate": round(float(np.mean([r["hit_rate"] for r in runs])), 4),
                 "points_lost": round(float(np.mean(lost)), 2),
@@ -161,6 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_1_rps": one,
         "event_lag_s": ClusterConfig().event_lag if args.event_lag is None else args.event_lag,
         "placement_lag_s": args.placement_lag,
+        "share_load": args.share_load == "on",
         "judged_on_shared": judged,
         "rows": rows,
         "table": [{k: r[k] for k in _COLUMNS} for r in rows],
