@@ -120,7 +120,9 @@ class Stack:
         self.solo: dict[int, ChildProcess] = {}
         self._solo_ports: dict[int, tuple[int, int]] = {}  # worker -> (base port, admin port)
         self._sim_admin: list[tuple[str, int]] = []  # worker -> (its sim's admin URL, index there)
-        self._sim_ports: set[int] = set()  # taken by simulators (started ones may not bind yet)
+        #: every port this stack handed out (a process started may not have bound its own yet,
+        #: so a port that is free now may still be one of them)
+        self._ports: set[int] = set()
         self.agents: list[ChildProcess] = []
         self.gateways: list[ChildProcess] = []
         self.gateway_urls: list[str] = []
@@ -322,9 +324,9 @@ class Stack:
         return proc
 
     def _simport_block(self, n: int) -> int:
-        """``n`` consecutive free ports no other simulator of this stack was given."""
-        base = port_block(n, avoid=self._sim_ports)
-        self._sim_ports.update(range(base, base + n))
+        """``n`` consecutive free ports no other process of this stack was given."""
+        base = port_block(n, avoid=self._ports)
+        self._ports.update(range(base, base + n))
         return base
 
     def add_worker(self) -> int:
@@ -376,7 +378,7 @@ class Stack:
     def start_agent(self, i: int) -> ChildProcess:
         c = self.config
         while len(self.agent_ports) <= i:
-            self.agent_ports.append(free_port())
+            self.agent_ports.append(self._free_port())
         args = [
             "agent", "--engine", c.flavor, "--engine-url", self.worker_urls[i],
             "--redis", self.agent_redis_url(), "--worker-id", self.worker_id(i), "--model", c.model,
@@ -422,8 +424,14 @@ class Stack:
         _merge(cfg, overrides)
         return cfg
 
+    def _free_port(self) -> int:
+        """A free port no other process of this stack was given."""
+        port = free_port(taken=frozenset(self._ports))
+        self._ports.add(port)
+        return port
+
     def start_gateway(self, g: int, **overrides: Any) -> ChildProcess:
-        port = free_port()
+        port = self._free_port()
         cfg = self.gateway_config(port, **overrides)
         path = self.log_dir / f"gateway-{g}.yaml"
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
