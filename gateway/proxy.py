@@ -322,13 +322,17 @@ class Proxy:
                 self.metrics.retries.labels(pool.name, failed, exc.cause).inc()
                 log.info("retrying request away from %s: %s", failed, exc)
                 continue
-            # the usage is the answering worker's (a pair's decode half): judge its prediction
-            served = decode or prep.exact(decision)
-            self.registry.observe(pool.name, served, _cached(request.get(USAGE)), self.clock())
-            if self.request_log is not None:
-                self._log_request(
-                    request, pool, prep, decision, exclude, session_key, now, response
-                )
+            except asyncio.CancelledError:
+                # the client left; if the worker's usage was read, its answer was whole (the
+                # client left once it had it, aiohttp cancelling the handler at any await
+                # after): the request was served, and counts as such
+                if USAGE in request:
+                    self._served(request, pool, prep, decision, decode, exclude, session_key,
+                                 now, 200)  # fmt: skip
+                raise
+            self._served(
+                request, pool, prep, decision, decode, exclude, session_key, now, response.status
+            )
             return response
         if last is not None:
             raise ApiError(
@@ -583,6 +587,11 @@ class Proxy:
                 raise first.exception()  # type: ignore[misc]
             answer = await second
         except BaseException:
+            if second.done() and not second.cancelled() and second.exception() is None:
+                # the client had its whole answer and left (its handler cancelled): the
+                # prefill half is read to its end all the same
+                self._finish_prefill(first)
+                raise
             for task in (first, second):
                 task.cancel()
             await asyncio.gather(first, second, return_exceptions=True)
@@ -707,8 +716,11 @@ class Proxy:
     ) -> web.StreamResponse:
         await out.prepare(request)
         events = _SseFilter(strip_usage=inject_usage)
-        await out.write(events.feed(first))
         content = resp.content
+        data = events.feed(first)
+        if events.final:  # the whole answer came in the first chunk (a short reply)
+            return await self._stream_end(request, content, out, data, events, pool, wid)
+        await out.write(data)
         watch = _IdleWatch(self.settings.idle_timeout, content)
         clock = watch.loop.time
         try:
@@ -725,12 +737,8 @@ class Proxy:
                 if not chunk:
                     break
                 data = events.feed(chunk)
-                if events.final:  # nothing may follow: the last events leave with the body's end
-                    self._count_usage(pool, wid, events.usage, request)
-                    self.registry.on_success(wid)
-                    await out.write_eof(data + events.flush())
-                    await _drain(content, self.settings.connect_timeout)
-                    return out
+                if events.final:
+                    return await self._stream_end(request, content, out, data, events, pool, wid)
                 if data:
                     await out.write(data)
         finally:
@@ -748,6 +756,46 @@ class Proxy:
         await out.write_eof()
         return out
 
+    async def _stream_end(
+        self,
+        request: web.Request,
+        content: aiohttp.StreamReader,
+        out: web.StreamResponse,
+        data: bytes,
+        events: _SseFilter,
+        pool: Pool,
+        wid: str,
+    ) -> web.StreamResponse:
+        """The stream's final event arrived: nothing may follow, so the last events leave
+        with the body's end at once (the client has its whole answer), and the worker's body
+        is read to its own end after that."""
+        self._count_usage(pool, wid, events.usage, request)
+        self.registry.on_success(wid)
+        await out.write_eof(data + events.flush())
+        await _drain(content, self.settings.connect_timeout)
+        return out
+
+    def _served(
+        self,
+        request: web.Request,
+        pool: Pool,
+        prep: Prepared,
+        decision: Decision,
+        decode: Decision | None,
+        exclude: Iterable[str],
+        session_key: str | None,
+        decided_at: float,
+        status: int,
+    ) -> None:
+        """A served request: its prediction judged against the usage of the worker that
+        answered (a pair's decode half), and its request log record."""
+        served = decode or prep.exact(decision)
+        self.registry.observe(pool.name, served, _cached(request.get(USAGE)), self.clock())
+        if self.request_log is not None:
+            self._log_request(
+                request, pool, prep, decision, exclude, session_key, decided_at, status
+            )
+
     def _log_request(
         self,
         request: web.Request,
@@ -757,7 +805,7 @@ class Proxy:
         exclude: Iterable[str],
         session_key: str | None,
         decided_at: float,
-        response: web.StreamResponse,
+        status: int,
     ) -> None:
         """The request log's hook: the decision that served the request and its usage."""
         assert self.request_log is not None
@@ -772,7 +820,7 @@ class Proxy:
                 [w for w in pool.router.workers() if w not in ex],
                 self.clock() - decided_at,
                 request.get(USAGE),
-                response.status,
+                status,
                 session_key,
             )
         except Exception:  # the log must never fail a request that was served
@@ -930,7 +978,9 @@ async def _drain(content: aiohttp.StreamReader, seconds: float) -> None:
     """Read a finished stream's body to its end (the chunked terminator follows the last
     event), so its connection goes back to the pool instead of being closed: a stream that
     stopped reading early cost the next request a new TCP connection. Bounded by ``seconds``:
-    a worker still sending after that has its connection closed, as before."""
+    a worker still sending after that has its connection closed, as before. The client has
+    its whole answer by now and may leave, cancelling the handler here: the request still
+    counts as served (``Proxy.forward``)."""
     with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
         async with asyncio.timeout(seconds):
             while await content.readany():

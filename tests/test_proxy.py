@@ -1,9 +1,11 @@
-"""The proxy's upstream session: how it reaches workers named by hostname."""
+"""The proxy's upstream session (how it reaches workers named by hostname) and the end of a
+relayed stream (the worker's body read to its end; a client that leaves once answered)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from typing import Any, ClassVar
 
@@ -101,3 +103,77 @@ async def test_drain_reads_a_finished_stream_to_its_end_and_gives_up_on_a_trickl
                     assert (0.3 <= took < 2.0) if trickle else took < 0.3
     finally:
         await runner.cleanup()
+
+
+async def test_a_client_that_leaves_after_its_whole_streamed_answer_was_served() -> None:
+    """The client reads its stream to ``[DONE]`` and closes its connection while the worker
+    still holds the body open (its chunked end not sent yet): aiohttp cancels the handler in
+    the proxy's drain. The request was served: its usage is still observed (the worker's
+    precision), as when the client stays; before, the observation was lost. Here the whole
+    answer comes in the worker's first chunk, which ends the client's body at once too (it
+    used to wait for the worker's end)."""
+    from aiohttp import web
+
+    from gateway.config import GatewayConfig, PoolSettings, StaticWorker
+    from gateway.server import Gateway, build_app
+    from gateway.tokenization import bundled_test_tokenizer
+
+    held = asyncio.Event()
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        usage = {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10,
+                 "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+        for event in (
+            {"choices": [{"index": 0, "text": "hi", "finish_reason": "length"}]},
+            {"choices": [], "usage": usage},
+        ):
+            await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        held.set()
+        with contextlib.suppress(ConnectionResetError):
+            await asyncio.sleep(3)  # the body's end comes late (a busy engine)
+            await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    engine = web.Application()
+    engine.router.add_post("/v1/completions", completion)
+    engine.router.add_get("/health", health)
+    engine_runner = web.AppRunner(engine)
+    await engine_runner.setup()
+    engine_port = free_port()
+    await web.TCPSite(engine_runner, "127.0.0.1", engine_port).start()
+    pool = PoolSettings(
+        model="m",
+        tokenizer=str(bundled_test_tokenizer()),
+        static_workers=[StaticWorker(f"http://127.0.0.1:{engine_port}", "w1")],
+    )
+    gw = Gateway(GatewayConfig(pools=[pool]))
+    runner = web.AppRunner(build_app(gw), handler_cancellation=True)  # as kvroute gateway
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    loop = asyncio.get_running_loop()
+    try:
+        body = {"model": "m", "prompt": "hello there", "max_tokens": 1, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+            assert resp.status == 200, await resp.text()
+            seen = b""
+            while b"data: [DONE]" not in seen:
+                seen += await resp.content.readany()
+            assert held.is_set() and b'"usage"' in seen
+            resp.close()  # the client leaves: its connection closes with the body still open
+        deadline = loop.time() + 2.0  # before the engine ends its body (3 s)
+        while "w1" not in gw.registry.trust.tallies:
+            assert loop.time() < deadline, "the served request was never observed"
+            await asyncio.sleep(0.01)
+        assert gw.registry.trust.tallies["w1"].reported_any is False  # cached 0, predicted 0
+    finally:
+        await runner.cleanup()
+        await engine_runner.cleanup()
