@@ -24,7 +24,8 @@ as one gateway would (``replicas.share_load``).
 
 A lone gateway has no one to tell: every replica publishes an empty batch every
 ``heartbeat_s`` (its presence), and sends its placements only while it has read another
-replica's batch within ``peer_ttl``; until then its outbox is emptied unsent (``unshared``).
+replica's batch within ``peer_ttl``; until then its outbox is emptied unsent (``unshared``)
+and its routers journal nothing.
 So one gateway pays one XADD a second, and replicas find each other within a heartbeat.
 """
 
@@ -137,8 +138,6 @@ class PlacementFeed:
 
     async def start(self) -> None:
         self.index.outbox = []
-        for r in self.routers.values():
-            r.journal = []
         self._stopping = False
         self._tasks = [
             asyncio.create_task(self._publish_loop(), name="kvroute-placements-publish"),
@@ -191,22 +190,27 @@ class PlacementFeed:
             notes.clear()
         return out
 
-    def _drop_journals(self) -> None:
+    def _journal(self, on: bool) -> None:
+        """Routers journal their requests only while another replica listens: a lone
+        gateway pays nothing per request for it. A request started before journaling began
+        sends its end alone, which the others count as ``unknown``."""
         for r in self.routers.values():
-            if r.journal:
+            if on and r.journal is None:
+                r.journal = []
+            elif not on and r.journal is not None:
                 self.stats.notes_dropped += len(r.journal)
-                r.journal.clear()
+                r.journal = None
 
     async def flush(self) -> None:
         """One period's work: the outbox as one batch to the other replicas (emptied unsent
         while there are none), or an empty batch when a heartbeat is due. On a bus error the
         batch is dropped (counted)."""
         box = self.index.outbox
-        if not self.peers():  # no one to tell: emptied as it is
-            if box:
-                self.stats.unshared += len(box)
-                box.clear()
-            self._drop_journals()
+        peers = self.peers()
+        self._journal(peers)
+        if box and not peers:  # no one to tell: emptied as it is
+            self.stats.unshared += len(box)
+            box.clear()
         items = self.take()
         journals = self.take_journals()
         notes = sum(len(j.notes) for j in journals)

@@ -112,6 +112,3 @@ class RemoteRequests:
             r.router.loads.finished(r.rid)
         self.stats.expired += len(gone)
         return len(gone)
-
-    def origins(self) -> set[str]:
-        return {k[0] for k in self._live}
