@@ -177,3 +177,76 @@ async def test_a_client_that_leaves_after_its_whole_streamed_answer_was_served()
     finally:
         await runner.cleanup()
         await engine_runner.cleanup()
+
+
+async def test_an_sglang_pair_whose_client_leaves_after_its_answer_still_reads_the_prefill() -> (
+    None
+):
+    """SGLang's prefill server ends its answer after the KV transfer, so the decode half can
+    finish first. When the client's handler is cancelled once the decode half has answered
+    (the client had everything and left), the prefill half is not cancelled with it: it is
+    read to its end off the client's path (it carries that worker's reuse), and the
+    cancellation still reaches the caller. When the decode half has not answered, both halves
+    are cancelled."""
+    from types import SimpleNamespace
+
+    proxy = Proxy(ProxySettings(), registry=None, metrics=None)  # type: ignore[arg-type]
+    proxy.registry = SimpleNamespace(  # type: ignore[assignment]
+        workers={
+            "p1": SimpleNamespace(
+                url="http://127.0.0.1:1", info=SimpleNamespace(bootstrap_port=8998)
+            )
+        }
+    )
+    release, waiting = asyncio.Event(), asyncio.Event()
+    halves: dict[str, str] = {}
+    caller: list[asyncio.Task[Any]] = []
+
+    async def prefill(
+        pool: Any, prep: Any, path: str, pair: bytes, headers: Any, d: Any
+    ) -> dict[str, Any]:
+        assert json.loads(pair)["bootstrap_port"] == 8998
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            halves["prefill"] = "cancelled"
+            raise
+        halves["prefill"] = "read to its end"
+        return {}
+
+    async def decode(*args: Any) -> str:
+        if halves.get("mode") == "answered":
+            caller[0].cancel()  # the client leaves as its answer completes
+            return "answer"
+        waiting.set()
+        await asyncio.Event().wait()  # the client leaves before any answer
+        raise AssertionError("unreachable")
+
+    proxy._prefill = prefill  # type: ignore[method-assign]
+    proxy._decode = decode  # type: ignore[method-assign]
+    decision = SimpleNamespace(worker="p1")
+
+    def pair() -> asyncio.Task[Any]:
+        return asyncio.ensure_future(
+            proxy._pair_sglang(None, None, None, None, "/v1/completions", b'{"prompt": "x"}',  # type: ignore[arg-type]
+                               {}, decision, decision, False)  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    halves["mode"] = "answered"
+    caller.append(pair())
+    with pytest.raises(asyncio.CancelledError):
+        await caller[0]
+    assert "prefill" not in halves and len(proxy._prefills) == 1  # still being read
+    (left,) = proxy._prefills
+    release.set()
+    await left
+    assert halves["prefill"] == "read to its end" and not proxy._prefills
+
+    halves.clear()
+    release.clear()
+    caller[:] = [pair()]
+    await waiting.wait()  # the decode half waits for its answer (the prefill half started first)
+    caller[0].cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller[0]
+    assert halves == {"prefill": "cancelled"} and not proxy._prefills
