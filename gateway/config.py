@@ -150,6 +150,9 @@ class ReplicaSettings:
     share_placements: bool = True
     #: seconds between batches (one XADD per batch; every replica reads every batch)
     interval: float = 0.02
+    #: a request's start is sent at once, not at the period's end (the others route on top
+    #: of it until they count it), at most one such batch per ``start_gap`` seconds
+    start_gap: float = 0.002
     #: placements kept for the next batch at most (the newest; the rest dropped, counted)
     max_pending: int = 10_000
     #: also share each request's start and end, and the prefix it shared: every replica's
@@ -320,6 +323,8 @@ class GatewayConfig:
             raise ConfigError("replicas: interval must be > 0 and max_pending >= 1")
         if self.replicas.remote_ttl <= 0:
             raise ConfigError("replicas: remote_ttl must be > 0")
+        if not 0 <= self.replicas.start_gap <= self.replicas.interval:
+            raise ConfigError("replicas: start_gap must be within [0, interval]")
         rl = self.request_log
         if not 0.0 <= rl.sample <= 1.0:
             raise ConfigError("request_log.sample: must be between 0 and 1")

@@ -138,6 +138,7 @@ class Gateway:
                 self.bus,
                 self.index,
                 interval=rs.interval,
+                start_gap=rs.start_gap,
                 max_pending=rs.max_pending,
                 routers=shared_routers(self.pools) if rs.share_load else None,
                 remote_ttl=rs.remote_ttl,

@@ -251,9 +251,11 @@ class ClusterConfig:
     #: between reports), speculative inserts and policy state, as separate processes do
     replicas: int = 1
     #: replicas publish their speculative inserts to the others (the gateway's
-    #: ``replicas.share_placements``, on by default), which apply them ``placement_lag`` later
+    #: ``replicas.share_placements``, on by default), which apply them ``placement_lag`` later:
+    #: a request's start goes out at once (``replicas.start_gap``), so the lag is the XADD,
+    #: the others' read and the start's batching, a few ms
     share_placements: bool = True
-    placement_lag: float = 0.02
+    placement_lag: float = 0.002
     #: with ``share_placements``, replicas also share their requests' starts and ends and the
     #: prefixes they shared (the gateway's ``replicas.share_load``): each replica's load view
     #: and prefix rates count the others' requests (gateway/routing/remote.py)

@@ -185,7 +185,11 @@ def test_a_gateway_shares_placements_when_its_bus_carries_them() -> None:
     assert feed is not None and feed.routers == {}
     assert Gateway(_config(share_placements=False), bus=MemoryBus()).placements is None
     assert Gateway(_config()).placements is None  # static workers, no bus
-    for bad in ({"interval": 0.0}, {"max_pending": 0}, {"remote_ttl": 0.0}):
+    bad_settings = (
+        {"interval": 0.0}, {"max_pending": 0}, {"remote_ttl": 0.0}, {"start_gap": -0.001},
+        {"start_gap": 0.05},  # longer than the period it cuts short
+    )  # fmt: skip
+    for bad in bad_settings:
         with pytest.raises(ConfigError, match="replicas"):
             _config(**bad).validate()
 
@@ -355,3 +359,57 @@ async def test_replicas_count_each_others_requests_until_they_end() -> None:
     now[0] += 3.5  # b silent past peer_ttl: a forgets its requests
     await a.flush()
     assert ra.loads.inflight_total() == 0 and a.remote.stats.expired == 1
+
+
+async def test_a_requests_start_reaches_the_other_replicas_without_waiting_for_the_period(
+    redis_server: RedisServer,
+) -> None:
+    """Over a real Redis with a 30 s batching period: a request's start goes out at once
+    (the others route on top of it until they count it), and starts made together share one
+    batch; placements and ends still wait for the period, and so do starts while Redis is
+    down."""
+    buses: list[EventBus] = [
+        RedisBus(redis_server.url, prefix="t:", socket_timeout=2.0) for _ in range(2)
+    ]
+    ra, rb = _router(_index("w1", "w2"), "w1", "w2"), _router(_index("w1", "w2"), "w1", "w2")
+    kw = {"interval": 30.0, "start_gap": 0.002, "heartbeat_s": 0.01, "peer_ttl": 60.0}
+    a = PlacementFeed(buses[0], ra.index, origin="a", routers={"p": ra}, **kw)  # type: ignore[arg-type]
+    b = PlacementFeed(buses[1], rb.index, origin="b", routers={"p": rb}, **kw)  # type: ignore[arg-type]
+    await a.start()
+    await b.start()
+    loop = asyncio.get_running_loop()
+    try:
+        deadline = loop.time() + 10.0
+        while not (a.peers() and b.peers() and rb.journal is not None):
+            # each loop sent its first batch before the other read: presence by hand
+            assert loop.time() < deadline, "the replicas never heard each other"
+            await a.flush()
+            await b.flush()  # once b hears a it journals (its loop waits 30 s)
+            await asyncio.sleep(0.01)
+        assert rb.journal == [] and rb.on_start is not None
+        batches = b.stats.batches_published
+        d = rb.route(CHAIN, len(CHAIN), now=b.clock())
+        t0 = loop.time()
+        tickets = [rb.started(d, len(CHAIN), b.clock()) for _ in range(3)]
+        await until(lambda: ra.loads.inflight(d.worker) == 3, limit=5.0)
+        assert loop.time() - t0 < 5.0  # not the period's 30 s
+        assert b.stats.batches_published == batches + 1 and b.stats.notes_published == 3
+        for t in tickets:
+            rb.finished(t, b.clock())  # an end does not cut the period short
+        assert rb.journal is not None and len(rb.journal) == 3
+
+        # Redis gone: the first start's batch is refused (its notes counted dropped); later
+        # starts wait for the period instead of an XADD each
+        redis_server.kill()
+        rb.started(d, len(CHAIN), b.clock())
+        await until(lambda: b.stats.notes_dropped == 4)
+        for _ in range(5):
+            rb.started(d, len(CHAIN), b.clock())
+            await asyncio.sleep(0.02)  # time for a (wrong) prompt flush to fail
+        assert b.stats.notes_dropped == 4 and len(rb.journal) == 5
+    finally:
+        await a.stop()
+        await b.stop()
+        for bus in buses:
+            await bus.close()
+    assert rb.on_start is None and rb.journal is None

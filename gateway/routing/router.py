@@ -17,7 +17,7 @@ without a per-worker translation; when the index frees a slot the bits are bound
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from gateway.routing.adapters import AdapterCatalog
@@ -92,6 +92,10 @@ class Router:
         #: (gateway/placements.py): their load views and prefix rates then count the
         #: requests this replica sent, as one gateway's would
         self.journal: list[Note] | None = None
+        #: called after a START is journaled: the placements feed sends it at once, since
+        #: the others route on top of this request until they count it (offline, a 20 ms
+        #: wait raised hot-prefix-8's p99 by up to a fifth)
+        self.on_start: Callable[[], None] | None = None
         #: the last routed decision and the popularity key its route observed (its START
         #: carries it; a warm-up's decision, or a retry's, is another object)
         self._routed: tuple[Decision | None, int] = (None, -2)
@@ -209,6 +213,8 @@ class Router:
             else:
                 arrival = -2
             self.journal.append((START, rid, decision.worker, uncached, cached, arrival))
+            if self.on_start is not None:
+                self.on_start()
         return Ticket(rid, decision, now)
 
     def first_token(self, ticket: Ticket, now: float) -> None:
