@@ -664,10 +664,14 @@ class Gateway:
     async def debug_index(self, request: web.Request) -> web.Response:
         """Per-worker block count and key digest: what must equal the agents' mirrors."""
         self.authorize_admin(request)
-        out = {}
+        out: dict[str, dict[str, Any]] = {}
+        cursors = self.consumer.applier.cursors if self.consumer is not None else {}
         for wid in sorted(set(self.index.workers()) | set(self.registry.workers)):
             keys = self.index.worker_keys(wid)
             out[wid] = {"blocks": len(keys), "digest": key_digest(keys)}
+            cur = cursors.get(wid)
+            if cur is not None:  # how far its stream is applied (a gap waits for a snapshot)
+                out[wid]["stream"] = {"epoch": cur.epoch, "seq": cur.seq, "waiting": cur.waiting}
         return web.json_response({"workers": out, "stats": dataclasses.asdict(self.index.stats)})
 
     async def workers(self, request: web.Request) -> web.Response:

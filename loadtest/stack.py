@@ -564,16 +564,28 @@ class Stack:
         return dict(json.loads(body)["workers"])
 
     def diverged(self, gateway: int = 0) -> dict[str, tuple[int, int]]:
-        """Workers whose index entry differs from their agent's mirror: {id: (index, mirror)}."""
+        """Workers whose index entry differs from their agent's mirror, or whose stream the
+        gateway has not applied up to the agent's last acknowledged entry (an entry a Redis
+        failover lost shows there as a gap the gateway has yet to find and heal, while the
+        digests may agree): {id: (index blocks, mirror blocks)}. The mirrors are read first,
+        so a gateway caught up with them is at or past what they showed."""
+        mirrors = [self.mirror(i) for i in range(len(self.agents)) if self.agents[i].alive()]
         index = self.index(gateway)
         out = {}
-        for i in range(len(self.agents)):
-            if not self.agents[i].alive():
-                continue
-            m = self.mirror(i)
+        for m in mirrors:
             for d in m.get("domains") or [m]:  # one per data-parallel rank
                 got = index.get(d["worker_id"], {"blocks": 0, "digest": key_digest(())})
-                if got["digest"] != d["digest"]:
+                stream = got.get("stream")
+                behind = (
+                    stream is not None
+                    and d.get("seq", 0) > 0  # the agent has had an entry acknowledged
+                    and (
+                        stream["waiting"]
+                        or stream["epoch"] != d["epoch"]
+                        or stream["seq"] < d["seq"]
+                    )
+                )
+                if got["digest"] != d["digest"] or behind:
                     out[d["worker_id"]] = (got["blocks"], d["blocks"])
         return out
 

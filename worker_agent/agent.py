@@ -450,6 +450,9 @@ class Agent:
                     "rank": d.rank,
                     "blocks": len(d.pipeline.mirror),
                     "digest": key_digest(d.pipeline.mirror.keys()),
+                    # the last entry the bus acknowledged: a reader caught up has applied it
+                    "epoch": d.publisher.epoch,
+                    "seq": d.publisher.acked_seq,
                 }
                 for d in self.domains
             ]
