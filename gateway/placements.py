@@ -10,8 +10,9 @@ the replicas preset (``kvroute bench replicas``, docs/benchmarks.md) 4 replicas 
 points of hit rate and 8 lost ~18 without sharing, under 1 point with it.
 
 Each replica drains its index's ``outbox`` every ``interval`` (sooner when a request starts,
-below) into one ``Placements`` batch on the bus (``gateway.contract.wire``, docs/protocol.md section 9) and applies the other
-replicas' batches with ``ShadowIndex.adopt``, on its own clock (replicas share no clock).
+below) into one ``Placements`` batch on the bus (``gateway.contract.wire``, docs/protocol.md
+section 9) and applies the other replicas' batches with ``ShadowIndex.adopt``, on its own
+clock (replicas share no clock).
 A batch is a hint with a TTL (``index.speculative_ttl``): one lost (the bus down, garbage, a
 trimmed stream) leaves the replicas as they would be without sharing, so nothing is retried
 or replayed; a replica that loses its place reads on from the stream's tail.
