@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,31 @@ def test_replicas(capsys: pytest.CaptureFixture[str]) -> None:
         )
 
 
+def test_replicas_draws_rerun_each_seed_with_other_tie_breaks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--draws: each workload seed runs once per draw, the first draw being the run without
+    it, the others the same requests with the routers' other random streams."""
+    args = ["replicas", "--replicas", "1,2", "--loads", "0.6", "--duration", "6",
+            "--share", "on", "--seeds", "2"]  # fmt: skip
+    one = bench(capsys, *args)
+    r = bench(capsys, *args, "--draws", "3")
+    assert r["draws"] == 3 and one["draws"] == 1
+    for row, before in zip(r["rows"], one["rows"], strict=True):
+        p50s = row["ttft_p50_ms_per_seed"]
+        assert len(p50s) == 6 and len(row["points_lost_per_seed"]) == 6
+        # seed-major: each seed's first draw is that seed's run without --draws
+        assert [p50s[0], p50s[3]] == before["ttft_p50_ms_per_seed"]
+        assert row["ttft_p50_ms"] == pytest.approx(sum(p50s) / 6, abs=0.1)
+        assert row["ttft_p50_ms_median_run"] == pytest.approx(statistics.median(p50s), abs=0.1)
+    base = r["rows"][0]
+    assert base["points_lost_per_seed"] == [0] * 6  # paired run by run with the baseline
+    # the draws are other random streams: the same requests, not all routed alike
+    row = r["rows"][1]
+    runs = set(zip(row["ttft_p50_ms_per_seed"], row["ttft_p99_ms_per_seed"], strict=True))
+    assert len(runs) > 2
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
@@ -215,6 +241,7 @@ def test_replicas(capsys: pytest.CaptureFixture[str]) -> None:
         (["--event-lag", "-1"], "--event-lag"),
         (["--capacity", "0"], "--capacity"),
         (["--placement-lag", "-1"], "--placement-lag"),
+        (["--draws", "0"], "--draws"),
         (["--policy", "nosuch"], "unknown routing policy"),
     ],
 )

@@ -21,6 +21,13 @@ as the gateway's ``replicas.share_load``): shared placements also carry each rep
 requests (start, first token, end, the prefix shared), counted in the others' load views and
 prefix rates (``gateway/routing/remote.py``); ``off`` shares the placements alone.
 
+``--draws K`` runs each workload seed K times with other random tie-breaks (the routers'
+random streams, all else equal). Near capacity a run can tip into eviction thrash (moves away
+from busy holders add prefill, which lengthens the queues that prompted them) or stay out of
+it on the draws alone, one gateway as well as several: a seed's figure for N replicas against
+one gateway's is then partly which draws each got, and the draws show how often each count
+tips (``ttft_p50_ms_per_seed`` lists every run; ``ttft_p50_ms_median_run`` is their median).
+
 The hit rate is the live figure's: the requests scheduled after the warm-up. ``ok``: every
 count with a Q4 bound (4: 2 points, 8: 3 points) within it (mean over seeds), judged with
 shared placements where they ran.
@@ -59,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="ttft", help="policy (name or name:k=v,...)")
     p.add_argument("--duration", type=float, help="measured seconds (default: the preset's)")
     p.add_argument("--seeds", type=int, default=1, help="workload seeds per load (0: the preset's)")
+    p.add_argument("--draws", type=int, default=1,
+                   help="runs of each workload seed with other random tie-breaks (the routers' "
+                   "random streams; 1: the seed's own): near capacity one stream of draws "
+                   "can tip a run into eviction thrash that another does not")  # fmt: skip
     p.add_argument("--share", default="both", choices=["on", "off", "both"],
                    help="replicas share their speculative inserts (the gateway's "
                    "replicas.share_placements), do not, or both in the same run")  # fmt: skip
@@ -102,6 +113,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = parse_replicas(args.replicas)
     if args.seeds < 1:
         raise SystemExit("--seeds must be >= 1")
+    if args.draws < 1:
+        raise SystemExit("--draws must be >= 1")
     if args.event_lag is not None and args.event_lag < 0:
         raise SystemExit("--event-lag must be >= 0")
     if args.placement_lag < 0:
@@ -129,14 +142,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stream = preset_stream(cfg, cfg.seed + seed)
             items, warmup = stream.window(rate, cfg.duration)
             arrivals = stream.arrivals(items)
-            for n, share in variants:
-                cluster = preset_cluster(cfg, args.policy, cfg.seed + seed, replicas=n)
-                if args.event_lag is not None:
-                    cluster.event_lag = args.event_lag
-                cluster.share_placements = share
-                cluster.share_load = args.share_load == "on"
-                cluster.placement_lag = args.placement_lag
-                per[(n, share)].append(_window(simulate(arrivals, cluster), warmup))
+            for draw in range(args.draws):
+                for n, share in variants:
+                    cluster = preset_cluster(
+                        cfg, args.policy, _draw_seed(cfg.seed + seed, draw), replicas=n
+                    )
+                    if args.event_lag is not None:
+                        cluster.event_lag = args.event_lag
+                    cluster.share_placements = share
+                    cluster.share_load = args.share_load == "on"
+                    cluster.placement_lag = args.placement_lag
+                    per[(n, share)].append(_window(simulate(arrivals, cluster), warmup))
         base = [r["hit_rate"] for r in per[variants[0]]]
         for n, share in variants:
             runs = per[(n, share)]
@@ -156,9 +172,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "index_precision": _round(_mean(runs, "index_precision"), 4),
                 "ttft_p50_ms": _round(_mean(runs, "ttft_p50_ms"), 1),
                 "ttft_p99_ms": _round(_mean(runs, "ttft_p99_ms"), 1),
-                # one seed's collapse moves a mean: each seed's own, in seed order
+                # one seed's collapse moves a mean: each run's own, in seed order (with
+                # --draws, each seed's draws in turn)
                 "ttft_p50_ms_per_seed": [_round(r["ttft_p50_ms"], 1) for r in runs],
                 "ttft_p99_ms_per_seed": [_round(r["ttft_p99_ms"], 1) for r in runs],
+                "ttft_p50_ms_median_run": _round(
+                    float(np.median([r["ttft_p50_ms"] for r in runs])), 1
+                ),
                 "routed_per_replica": runs[0]["routed_per_replica"],
             })  # fmt: skip
     # the target is judged on the gateway's default (shared decisions) where it ran
@@ -170,6 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "preset": args.preset,
         "policy": args.policy,
         "seeds": args.seeds,
+        "draws": args.draws,
         "duration_s": cfg.duration,
         "load_1_rps": one,
         "event_lag_s": ClusterConfig().event_lag if args.event_lag is None else args.event_lag,
@@ -183,6 +204,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 _COLUMNS = ("load", "rate", "replicas", "shared", "requests", "hit_rate", "points_lost", "bound_points",
             "index_precision", "ttft_p50_ms", "ttft_p99_ms")  # fmt: skip
+
+
+def _draw_seed(seed: int, draw: int) -> int:
+    """The routers' random seed for ``draw`` of workload ``seed``: draw 0 is the seed itself
+    (the run without ``--draws``); the others are distinct from it and from each other."""
+    return seed if draw == 0 else seed * 1_000_033 + draw
 
 
 def _round(x: float | None, digits: int) -> float | None:
