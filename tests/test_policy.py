@@ -15,6 +15,7 @@ from gateway.routing.costmodel import CostModel, CostParams
 from gateway.routing.keys import BlockKeyer
 from gateway.routing.load import LoadTracker
 from gateway.routing.policy import PolicyContext, PoolView, RouteRequest, make_policy, policy_names
+from gateway.routing.popularity import PrefixPopularity
 from gateway.routing.router import NoCandidates, Router
 
 BS = 16
@@ -271,15 +272,17 @@ def test_cost_model_shape_and_calibration() -> None:
     st.integers(0, 2**32),
 )
 @pytest.mark.parametrize(
-    ("step_ties", "long_tie_ratio", "long_wait_ratio", "cold_wait_ratio"),
+    ("step_ties", "long_tie_ratio", "long_wait_ratio", "cold_wait_ratio", "queue_weight"),
     [
-        (0.0, 0.0, 0.0, 3.0),  # the default: the cold pool's window
-        (0.0, 0.0, 0.0, 0.0),
-        (1.0, 0.0, 0.0, 0.0),
-        (1.0, 0.0, 0.0, 3.0),
-        (0.0, 0.5, 0.0, 0.0),
-        (0.0, 0.0, 3.0, 0.0),
-        (0.0, 0.0, 2.0, 6.0),
+        (0.0, 0.0, 0.0, 3.0, 0.0),  # the default: the cold pool's window
+        (0.0, 0.0, 0.0, 0.0, 0.0),
+        (1.0, 0.0, 0.0, 0.0, 0.0),
+        (1.0, 0.0, 0.0, 3.0, 0.0),
+        (0.0, 0.5, 0.0, 0.0, 0.0),
+        (0.0, 0.0, 3.0, 0.0, 0.0),
+        (0.0, 0.0, 2.0, 6.0, 0.0),
+        (0.0, 0.0, 0.0, 3.0, 1.0),
+        (1.0, 0.5, 0.0, 0.0, 0.3),
     ],
 )
 def test_pruned_ttft_search_agrees_with_scoring_everyone(
@@ -287,6 +290,7 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
     long_tie_ratio: float,
     long_wait_ratio: float,
     cold_wait_ratio: float,
+    queue_weight: float,
     ops: list[tuple[int, int, bool, int]],
     matches: dict[str, int],
     prompt_tokens: int,
@@ -310,8 +314,12 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
         long_wait_ratio=long_wait_ratio,
         cold_wait_ratio=cold_wait_ratio,
         cold_min_requests=0,  # the gate on the reuse of however few requests were drawn
+        queue_weight=queue_weight,
     )
     req = RouteRequest([], prompt_tokens, BS)
+    pop = PrefixPopularity()
+    for i in range(seed % 200):  # up to 20 requests/s over the last 10 s
+        pop.observe_request(i / 20.0)
     ratio = pol.tie_ratio
     wait_ratio = 0.0
     new = prompt_tokens - max((req.matched_tokens(b) for b in matches.values()), default=0)
@@ -325,12 +333,14 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
     rt = CostModel().request_terms(new)
     own = rt.chunked + pol.compute_weight * rt.prefill
     fast = pol.choose(
-        req, PoolView.from_matches(loads, matches), PolicyContext(rng=random.Random(seed))
+        req,
+        PoolView.from_matches(loads, matches),
+        PolicyContext(rng=random.Random(seed), popularity=pop, now=10.0),
     )
     full = pol.choose(
         req,
         PoolView.from_matches(loads, matches),
-        PolicyContext(rng=random.Random(seed)),
+        PolicyContext(rng=random.Random(seed), popularity=pop, now=10.0),
         explain=True,
     )
     best = min(c.score for c in full.candidates)
@@ -544,6 +554,51 @@ def test_ttft_long_tie_ratio_widens_ties_for_long_requests_only() -> None:
     assert choose(long_request, long_tie_ratio=1.0, long_factor=5.0) == "w0"
     with pytest.raises(ValueError, match=">= 0"):
         make_policy("ttft", long_tie_ratio=-1.0)
+
+
+def test_ttft_queue_weight_keeps_a_conversation_on_its_busy_holder_under_load() -> None:
+    """``queue_weight``: a move off a busy holder redoes the conversation's prefill, which
+    delays the requests that reach the new worker meanwhile (the pool's rate per worker x
+    its TTFT there). Under load the holder keeps the turn that the default moves; with
+    little traffic the move stands, and the default ignores the rate."""
+    loads = LoadTracker(order_key=CostModel().queue_key)
+    for w in ("w0", "w1"):
+        loads.add_worker(w)
+    loads.started("w0", 30_000, now=0.0)  # the holder's queue: seconds of prefill
+    turn = RouteRequest([], 8_000, BS)
+    matches = {"w0": 7_900 // BS}  # the conversation so far, on w0
+
+    def choose(rate: float, **params: float) -> str:
+        pop = PrefixPopularity()
+        for i in range(int(rate * 10)):  # ``rate`` requests/s over the last 10 s
+            pop.observe_request(i / rate)
+        pol = make_policy("ttft", **params)
+        ctx = PolicyContext(rng=random.Random(0), popularity=pop, now=10.0)
+        decision = pol.choose(turn, PoolView.from_matches(loads, matches), ctx)
+        assert decision.matched_tokens == (7_900 // BS * BS if decision.worker == "w0" else 0)
+        return decision.worker
+
+    assert choose(40.0) == "w1"  # the default moves it to the idle worker ("balance")
+    assert choose(40.0, queue_weight=1.0) == "w0"  # 20 requests/s per worker: it stays
+    assert choose(0.5, queue_weight=1.0) == "w1"  # one every 4 s per worker: the move stands
+    with pytest.raises(ValueError, match="queue_weight"):
+        make_policy("ttft", queue_weight=-1.0)
+
+
+def test_prefix_popularity_total_rate_is_the_pools_request_rate() -> None:
+    def stream(seconds: float) -> PrefixPopularity:
+        pop = PrefixPopularity(half_life=20.0)
+        for i in range(int(seconds * 10)):  # 10 requests/s, a third sharing a prefix
+            if i % 3:
+                pop.observe_request(i / 10.0)
+            else:
+                pop.observe(7, i / 10.0)
+        return pop
+
+    assert PrefixPopularity().total_rate(5.0) == 0.0  # nothing seen
+    assert stream(60.0).total_rate(60.0) == pytest.approx(10.0, rel=0.05)
+    assert stream(3.0).total_rate(3.0) == pytest.approx(10.0, rel=0.05)  # from the start
+    assert stream(60.0).total_rate(100.0) < 3.0  # two half-lives of silence
 
 
 def test_ttft_long_wait_ratio_widens_ties_only_by_the_best_workers_wait() -> None:

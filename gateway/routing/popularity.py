@@ -35,6 +35,7 @@ class PrefixPopularity:
         self._w: dict[int, tuple[float, float]] = {}  # key -> (weight, at)
         self._first: dict[int, float] = {}  # key -> when it was first seen (since forgotten)
         self._total = (0.0, 0.0)
+        self._start: float | None = None  # the first request observed
         self._prune_at = 1024
 
     def _decayed(self, entry: tuple[float, float], now: float) -> float:
@@ -49,12 +50,24 @@ class PrefixPopularity:
             entry = (0.0, now)
         self._w[key] = (self._decayed(entry, now) + 1.0, now)
         self._total = (self._decayed(self._total, now) + 1.0, now)
+        if self._start is None:
+            self._start = now
         if len(self._w) >= self._prune_at:
             self._prune(now)
 
     def observe_request(self, now: float) -> None:
         """A request that shared no prefix (it still counts in the total)."""
         self._total = (self._decayed(self._total, now) + 1.0, now)
+        if self._start is None:
+            self._start = now
+
+    def total_rate(self, now: float) -> float:
+        """Recent arrivals per second of all requests (as ``rate`` for one prefix)."""
+        if self._start is None:
+            return 0.0
+        age = max(now - self._start, self.min_window)
+        span = -math.expm1(-self._rate * age) / self._rate
+        return self._decayed(self._total, now) / span
 
     def weight(self, key: int, now: float) -> float:
         """Recent requests (exponentially decayed) that shared the prefix ending with ``key``."""

@@ -26,6 +26,19 @@ traffic, and a conversation's prefix (one holder) or a system prompt whose share
 holder never qualifies, so ``hot_step_ties`` is on: without it kvroute's p50 on one hot
 prefix was 3-10% above round robin's at 60-95% load (offline simulator, 2 and 8 workers).
 
+``queue_weight`` (off by default) makes the cluster's side of the bill grow with the queues:
+a request's own prefill also delays every request that reaches its worker while it waits
+and prefills there, about the pool's arrival rate per worker x its TTFT there, so a score
+adds ``queue_weight`` x prefill x that count. Idle, the term is small; near capacity it
+keeps a conversation on its busy holder rather than moving it to a shorter queue, where
+its whole prefill would lengthen the queues that prompted the move. On chat-eviction at
+60-80% (offline, 12 seeds) the medians and the p99 fell (p99 -15% / -11% at 0.3) and no run
+tipped into eviction thrash at 60%; on long, mostly cold prompts past capacity
+(``trace-production`` at 40-60%) the median fell 14-21% and the p99 rose 21-35%, the cold
+long prompts that the default spreads waiting behind the requests that match where they
+are (docs/benchmarks.md, "Collapses near capacity are the policy's"). A median-first
+setting for saturated chat traffic, not the default.
+
 ``long_tie_ratio`` (off by default) widens the near-ties of a long request (uncached tokens
 at least ``long_factor`` x the pool's recent mean, ``LoadTracker.mean_prompt_tokens``) to
 that ratio of its best score, so among workers within it the longest match, then the one
@@ -182,16 +195,17 @@ class PredictedTTFT(Policy):
         cold_reuse: float = 0.3,
         cold_min_requests: int = 32,
         warm_idle: bool = True,
+        queue_weight: float = 0.0,
     ) -> None:
         if (
             min(compute_weight, tie_ms, tie_ratio, replication, step_ties, hot_step_ties) < 0
             or min(long_tie_ratio, long_factor, long_wait_ratio, cold_wait_ratio, cold_reuse) < 0
-            or cold_min_requests < 0
+            or min(cold_min_requests, queue_weight) < 0
         ):
             raise ValueError(
                 "compute_weight, tie_ms, tie_ratio, replication, step_ties, hot_step_ties,"
-                " long_tie_ratio, long_factor, long_wait_ratio, cold_wait_ratio, cold_reuse"
-                " and cold_min_requests must be >= 0"
+                " long_tie_ratio, long_factor, long_wait_ratio, cold_wait_ratio, cold_reuse,"
+                " cold_min_requests and queue_weight must be >= 0"
             )
         self.compute_weight = compute_weight
         self.tie_ms = tie_ms
@@ -215,6 +229,9 @@ class PredictedTTFT(Policy):
         # a sustained prefix whose holders are all busy is warmed onto an idle non-holder
         # while the pool is cold (below cold_reuse): see the module docstring
         self.warm_idle = warm_idle
+        # the request's prefill also delays the requests that reach its worker meanwhile
+        # (off by default): see the module docstring
+        self.queue_weight = queue_weight
 
     def choose(
         self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, explain: bool = False
@@ -267,6 +284,16 @@ class PredictedTTFT(Policy):
                 rt = terms[m] = request_terms(prompt - m)
                 f = floors[m] = cw * rt.prefill * scale
                 bases[m] = rt.chunked * scale + f
+        # queue_weight: the request's own prefill delays the requests that reach its worker
+        # while it waits and prefills there (the pool's arrival rate per worker x its TTFT
+        # there): a score adds prefill x that count x queue_weight, ``ext[m]`` x its TTFT. It
+        # only adds, so the scan's lower bounds (base + queue) still hold
+        ext: dict[int, float] = {}
+        if self.queue_weight > 0:
+            per_ms = self.queue_weight * ctx.popularity.total_rate(ctx.now) / (1000.0 * pool.size)
+            if per_ms > 0:
+                for m in floors:
+                    ext[m] = terms[m].prefill * scale * per_ms
 
         # A LoRA request costs an adapter load where the adapter is not loaded: an idle
         # worker without it is worse than one with it at the same match, so a level keeps
@@ -287,8 +314,9 @@ class PredictedTTFT(Policy):
         idle_score: dict[int, tuple[float, float]] = {}
         for m in idle_at:
             t = terms[m].own[0] * scale + idle_pen.get(m, 0.0)  # ttft_ms(0, prompt - m, 0, 0)
-            idle_score[m] = (t + floors[m], t)
-            best = min(best, t + floors[m])
+            sc = t + floors[m] + (ext[m] * t if ext else 0.0)
+            idle_score[m] = (sc, t)
+            best = min(best, sc)
 
         # (score, worker, matched tokens, predicted ttft) of every busy worker scored
         scored: list[tuple[float, str, int, float]] = []
@@ -381,7 +409,7 @@ class PredictedTTFT(Policy):
                     t = ms * scale
                     if missing and w in missing:
                         t += pen
-                    s = t + floors[m]
+                    s = t + floors[m] + (ext[m] * t if ext else 0.0)
                     scored.append((s, w, m, t))
                     if s < best:
                         best = s
