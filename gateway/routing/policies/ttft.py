@@ -32,8 +32,9 @@ and prefills there, about the pool's arrival rate per worker x its TTFT there, s
 adds ``queue_weight`` x prefill x that count. Idle, the term is small; near capacity it
 keeps a conversation on its busy holder rather than moving it to a shorter queue, where
 its whole prefill would lengthen the queues that prompted the move. On chat-eviction at
-60-80% (offline, 12 seeds) the medians and the p99 fell (p99 -15% / -11% at 0.3) and no run
-tipped into eviction thrash at 60%; on long, mostly cold prompts past capacity
+60-80% (offline, 12 seeds) the medians and the p99 fell (p99 -15% / -11% at 0.3), and at
+60% fewer runs tipped into eviction thrash, less far (48 runs: 2 past 2.5 s, at most 3.3 s,
+against 4 and 8.8 s); on long, mostly cold prompts past capacity
 (``trace-production`` at 40-60%) the median fell 14-21% and the p99 rose 21-35%, the cold
 long prompts that the default spreads waiting behind the requests that match where they
 are (docs/benchmarks.md, "Collapses near capacity are the policy's"). A median-first
