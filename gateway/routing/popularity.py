@@ -65,9 +65,13 @@ class PrefixPopularity:
         """Recent arrivals per second of all requests (as ``rate`` for one prefix)."""
         if self._start is None:
             return 0.0
-        age = max(now - self._start, self.min_window)
-        span = -math.expm1(-self._rate * age) / self._rate
-        return self._decayed(self._total, now) / span
+        return self._decayed(self._total, now) / self._span(self._start, now)
+
+    def _span(self, first: float, now: float) -> float:
+        """The decayed length of the time since ``first`` (at least ``min_window``): what a
+        decayed count is divided by to give a rate."""
+        age = max(now - first, self.min_window)
+        return -math.expm1(-self._rate * age) / self._rate
 
     def weight(self, key: int, now: float) -> float:
         """Recent requests (exponentially decayed) that shared the prefix ending with ``key``."""
@@ -92,10 +96,8 @@ class PrefixPopularity:
         first = self._first.get(key, now)
         if since is not None and since < first:
             first = since
-        age = max(now - first, self.min_window)
-        span = -math.expm1(-self._rate * age) / self._rate
         count = 0.0 if entry is None else self._decayed(entry, now)
-        return (count + plus) / span
+        return (count + plus) / self._span(first, now)
 
     def share(self, key: int, now: float) -> float:
         """Fraction of recent requests that shared the prefix ending with ``key``."""

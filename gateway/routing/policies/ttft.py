@@ -289,12 +289,11 @@ class PredictedTTFT(Policy):
         # while it waits and prefills there (the pool's arrival rate per worker x its TTFT
         # there): a score adds prefill x that count x queue_weight, ``ext[m]`` x its TTFT. It
         # only adds, so the scan's lower bounds (base + queue) still hold
-        ext: dict[int, float] = {}
+        ext: dict[int, float] | None = None  # None: off (the default), nothing per decision
         if self.queue_weight > 0:
             per_ms = self.queue_weight * ctx.popularity.total_rate(ctx.now) / (1000.0 * pool.size)
             if per_ms > 0:
-                for m in floors:
-                    ext[m] = terms[m].prefill * scale * per_ms
+                ext = {m: terms[m].prefill * scale * per_ms for m in floors}
 
         # A LoRA request costs an adapter load where the adapter is not loaded: an idle
         # worker without it is worse than one with it at the same match, so a level keeps
@@ -315,7 +314,7 @@ class PredictedTTFT(Policy):
         idle_score: dict[int, tuple[float, float]] = {}
         for m in idle_at:
             t = terms[m].own[0] * scale + idle_pen.get(m, 0.0)  # ttft_ms(0, prompt - m, 0, 0)
-            sc = t + floors[m] + (ext[m] * t if ext else 0.0)
+            sc = t + floors[m] + (ext[m] * t if ext is not None else 0.0)
             idle_score[m] = (sc, t)
             best = min(best, sc)
 
@@ -410,7 +409,7 @@ class PredictedTTFT(Policy):
                     t = ms * scale
                     if missing and w in missing:
                         t += pen
-                    s = t + floors[m] + (ext[m] * t if ext else 0.0)
+                    s = t + floors[m] + (ext[m] * t if ext is not None else 0.0)
                     scored.append((s, w, m, t))
                     if s < best:
                         best = s
