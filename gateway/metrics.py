@@ -282,6 +282,13 @@ class GatewayMetrics:
             multiprocess_mode="max",
             registry=r,
         )
+        self.redis_client_rebuilds = Gauge(
+            "kvroute_redis_client_rebuilds",
+            "Redis Cluster clients replaced because a shard's reads kept failing (a slot map "
+            "that did not heal after a failover)",
+            multiprocess_mode="livesum",
+            registry=r,
+        )
         self.event_reads = Gauge(
             "kvroute_event_reads",
             "XREADs of the KV-event streams (round trips to Redis)",

@@ -360,6 +360,7 @@ class Gateway:
             m.redis_up.set(1 if cs.connected else 0)
             m.event_lag.set(cs.lag_last_s)
             m.resyncs.set(cs.resyncs)
+            m.redis_client_rebuilds.set(getattr(self.consumer.bus, "client_rebuilds", 0))
             m.event_reads.set(cs.reads)
             m.event_entries_read.set(cs.entries_read)
             m.gaps.set(getattr(cs.apply, "gaps", 0))

@@ -348,6 +348,7 @@ def test_health_ready_metrics_and_admin_endpoints(stack: Stack) -> None:
         b"kvroute_ttft_seconds_bucket",
         b"kvroute_index_blocks",
         b"kvroute_redis_connected 1.0",
+        b"kvroute_redis_client_rebuilds 0.0",  # one node: no cluster client to replace
     ):
         assert name in body
     # every request so far was routed, and each decision was timed

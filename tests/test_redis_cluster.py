@@ -36,6 +36,7 @@ from agent_helpers import (
     wait_until,
 )
 from chat_helpers import MODEL, converged, run_chats, text
+from redis.asyncio.cluster import ClusterNode, NodesManager
 from redis.cluster import key_slot
 
 from gateway.config import GatewayConfig
@@ -238,6 +239,52 @@ async def test_cluster_read_drops_what_was_read_from_a_stale_position(
 
         await wait_until(reread, 10, "the stream read from its start")
         assert [e.seq for _, e in got[0].entries] == [1, 2, 3]  # type: ignore[union-attr]
+    finally:
+        await bus.close()
+        await writer.close()
+
+
+async def test_cluster_reads_stuck_on_a_gone_node_get_a_new_client(
+    redis_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the client's slot map keeps naming a node that is gone and its own refresh does
+    not mend it (a CI run once read a dead primary for 40 s after the takeover), the bus
+    replaces its client after ``rebuild_after`` seconds and reads the stream from the same
+    position: the failed reads lost nothing."""
+    writer = RedisBus(redis_cluster.url, cluster=True)
+    bus = RedisBus(redis_cluster.url, cluster=True, rebuild_after=0.5)
+    try:
+        await writer.append("w", [Entry(1, 1, i, 0.0, 0.0, [], []) for i in (1, 2)])
+        client = bus._reader
+        await client.initialize()
+        slot = client.keyslot(bus.layout.stream("w"))
+        manager = client.nodes_manager
+        gone = ClusterNode("127.0.0.1", free_port())  # nothing listens there
+        real = NodesManager.initialize
+
+        async def refresh(self: NodesManager, *args: Any, **kwargs: Any) -> None:
+            if self is not manager:  # other clients (the writer, the new one) are sound
+                return await real(self, *args, **kwargs)
+            manager.slots_cache[slot] = [gone]  # this one's refresh mends nothing
+
+        monkeypatch.setattr(NodesManager, "initialize", refresh)
+        await refresh(manager)
+        failures = 0
+        got: list[Any] = []
+
+        async def read() -> bool:
+            nonlocal failures
+            try:
+                got[:] = await bus.read({"w": "0"}, block_ms=100)
+            except BusError:
+                failures += 1
+                return False
+            return bool(got)
+
+        await wait_until(read, 10, "the stream read through a new client")
+        assert failures >= 1 and bus.client_rebuilds == 1
+        assert bus._reader is not client and bus._r is bus._reader
+        assert [e.seq for _, e in got[0].entries] == [1, 2]  # type: ignore[union-attr]
     finally:
         await bus.close()
         await writer.close()

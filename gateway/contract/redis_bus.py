@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import parse_url
 from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisClusterException, RedisError
@@ -52,6 +54,8 @@ from gateway.contract.wire import (
 
 __all__ = ["RedisBus", "parse_sentinels"]
 
+log = logging.getLogger(__name__)
+
 #: stream keys (and their slots) remembered per bus before the memo starts over
 _MEMO_MAX = 100_000
 #: server-side XREAD BLOCK of a cluster group's read, which stays in flight across calls
@@ -60,6 +64,10 @@ _MEMO_MAX = 100_000
 #: a stream that was not in its group's read in flight (a worker that just joined or was
 #: re-bootstrapped), after its snapshot.
 _GROUP_BLOCK_MS = 1000
+#: a cluster group whose reads have failed this long (seconds) gets a new client: redis-py's
+#: slot map normally heals on the next read after a failover, and once in CI a client kept
+#: reading the dead primary for 40 s after the takeover; a fresh client starts from nothing
+_REBUILD_AFTER_S = 5.0
 
 #: what a failed or refused command raises (cluster slot-map errors are not RedisErrors)
 _ERRORS = (RedisError, RedisClusterException, OSError)
@@ -84,6 +92,7 @@ class RedisBus(EventBus):
         cluster: bool = False,
         sentinels: Sequence[str] = (),
         sentinel_master: str = "",
+        rebuild_after: float = _REBUILD_AFTER_S,
         **kwargs: Any,
     ) -> None:
         self.layout = RedisLayout(prefix)
@@ -108,6 +117,13 @@ class RedisBus(EventBus):
         self._key_slot: dict[str, int] = {}
         #: cluster reads in flight: slot -> (positions, XREAD task)
         self._inflight: dict[int, tuple[dict[str, str], asyncio.Future[Any]]] = {}
+        #: cluster: slot -> monotonic time of the first of its reads' current run of failures
+        self._failing_since: dict[int, float] = {}
+        self._url = url
+        self._opts = dict(opts)
+        self.rebuild_after = rebuild_after
+        #: cluster clients replaced because a group's reads kept failing (``_rebuild_if_stuck``)
+        self.client_rebuilds = 0
         if cluster and sentinels:
             raise ValueError("redis: cluster and sentinels exclude each other")
         if cluster:
@@ -190,6 +206,8 @@ class RedisBus(EventBus):
             if slot is None:
                 slot = self._key_slot[key] = self._reader.keyslot(key)
             groups.setdefault(slot, {})[key] = pos
+        for slot in [s for s in self._failing_since if s not in groups]:
+            del self._failing_since[slot]  # no longer read (its workers left)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (block_ms or 0) / 1000
         while True:
@@ -211,6 +229,8 @@ class RedisBus(EventBus):
                 with contextlib.suppress(*_ERRORS):
                     await self._reader.nodes_manager.initialize()
                 raise
+            finally:
+                await self._rebuild_if_stuck()
             # a group that timed out empty is read again until data comes or time is up
             if out or loop.time() >= deadline:
                 return out
@@ -229,6 +249,35 @@ class RedisBus(EventBus):
         args += ["STREAMS", *positions.keys(), *positions.values()]
         return await self._reader.execute_command("XREAD", *args, target_nodes=node)
 
+    async def _rebuild_if_stuck(self) -> None:
+        """Replace the cluster client when a group's reads have failed for ``rebuild_after``
+        seconds. Its reads in flight are dropped (XREAD consumes nothing: the next call
+        reads from the same positions) and the new client is seeded with every node the old
+        one knew, so a dead node named by the URL does not matter."""
+        now = time.monotonic()
+        if not any(now - t >= self.rebuild_after for t in self._failing_since.values()):
+            return
+        old = self._reader
+        known = {n.name: n for n in old.nodes_manager.startup_nodes.values()}
+        known.update(old.nodes_manager.nodes_cache)
+        seeds = [ClusterNode(n.host, n.port) for n in known.values()]
+        log.warning(
+            "cluster reads failing for %.1f s: replacing the Redis client (%d known nodes)",
+            now - min(self._failing_since.values()),
+            len(seeds),
+        )
+        self._r = self._reader = RedisCluster.from_url(self._url, startup_nodes=seeds, **self._opts)
+        self.client_rebuilds += 1
+        self._failing_since.clear()
+        tasks = [t for _, t in self._inflight.values()]
+        self._inflight.clear()
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        with contextlib.suppress(*_ERRORS):
+            await old.aclose()
+
     def _collect_reads(self, streams: dict[str, str]) -> list[Any]:
         """Replies of the finished group reads for streams still at the position read from;
         a failure is raised unless another group read something (the next call retries)."""
@@ -242,8 +291,10 @@ class RedisBus(EventBus):
                 continue
             exc = task.exception()
             if exc is not None:
+                self._failing_since.setdefault(slot, time.monotonic())
                 failed = failed or exc
                 continue
+            self._failing_since.pop(slot, None)
             for key, items in task.result() or []:
                 k = _s(key)
                 if streams.get(k) == positions.get(k):
