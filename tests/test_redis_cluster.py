@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import random
 import threading
+import time
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -244,6 +245,27 @@ async def test_cluster_read_drops_what_was_read_from_a_stale_position(
         await writer.close()
 
 
+def _wedge(monkeypatch: pytest.MonkeyPatch, slot: int, clients: Callable[[Any], bool]) -> None:
+    """Make the slot maps of the cluster clients that ``clients`` picks (by their nodes
+    manager) name a node that is gone for ``slot``, whatever their refresh reads."""
+    gone = ClusterNode("127.0.0.1", free_port())  # nothing listens there
+    real = NodesManager.initialize
+
+    async def refresh(self: NodesManager, *args: Any, **kwargs: Any) -> None:
+        await real(self, *args, **kwargs)
+        if clients(self):
+            self.slots_cache[slot] = [gone]
+
+    monkeypatch.setattr(NodesManager, "initialize", refresh)
+
+
+async def _read_or_fail(bus: RedisBus, positions: dict[str, str]) -> list[Any] | None:
+    try:
+        return await bus.read(positions, block_ms=100)
+    except BusError:
+        return None
+
+
 async def test_cluster_reads_stuck_on_a_gone_node_get_a_new_client(
     redis_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -256,35 +278,58 @@ async def test_cluster_reads_stuck_on_a_gone_node_get_a_new_client(
     try:
         await writer.append("w", [Entry(1, 1, i, 0.0, 0.0, [], []) for i in (1, 2)])
         client = bus._reader
-        await client.initialize()
         slot = client.keyslot(bus.layout.stream("w"))
-        manager = client.nodes_manager
-        gone = ClusterNode("127.0.0.1", free_port())  # nothing listens there
-        real = NodesManager.initialize
-
-        async def refresh(self: NodesManager, *args: Any, **kwargs: Any) -> None:
-            if self is not manager:  # other clients (the writer, the new one) are sound
-                return await real(self, *args, **kwargs)
-            manager.slots_cache[slot] = [gone]  # this one's refresh mends nothing
-
-        monkeypatch.setattr(NodesManager, "initialize", refresh)
-        await refresh(manager)
+        _wedge(monkeypatch, slot, lambda m: m is client.nodes_manager)  # only this client
+        await client.initialize()
         failures = 0
         got: list[Any] = []
 
         async def read() -> bool:
             nonlocal failures
-            try:
-                got[:] = await bus.read({"w": "0"}, block_ms=100)
-            except BusError:
-                failures += 1
-                return False
+            r = await _read_or_fail(bus, {"w": "0"})
+            failures += r is None
+            got[:] = r or []
             return bool(got)
 
         await wait_until(read, 10, "the stream read through a new client")
         assert failures >= 1 and bus.client_rebuilds == 1
         assert bus._reader is not client and bus._r is bus._reader
         assert [e.seq for _, e in got[0].entries] == [1, 2]  # type: ignore[union-attr]
+    finally:
+        await bus.close()
+        await writer.close()
+
+
+async def test_cluster_client_replacements_back_off_while_reads_keep_failing(
+    redis_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a long outage of one group (every client's map stays wrong), the wait before
+    the next replacement doubles; once the group reads again it is back to ``rebuild_after``."""
+    writer = RedisBus(redis_cluster.url, cluster=True)
+    bus = RedisBus(redis_cluster.url, cluster=True, rebuild_after=0.2)
+    try:
+        await writer.append("w", [Entry(1, 1, 1, 0.0, 0.0, [], [])])
+        slot = bus._reader.keyslot(bus.layout.stream("w"))
+        with monkeypatch.context() as patch:
+            _wedge(patch, slot, lambda m: True)  # every client, the replacements too
+            start = time.monotonic()
+
+            async def two_replacements() -> bool:
+                assert not await _read_or_fail(bus, {"w": "0"})  # failed, or nothing yet
+                return bus.client_rebuilds == 2
+
+            await wait_until(two_replacements, 10, "two replacements")
+            assert time.monotonic() - start >= 0.2 + 0.4  # the second waited twice as long
+            assert bus._rebuild_wait == pytest.approx(0.8)
+        got: list[Any] = []
+
+        async def read() -> bool:  # the wedge is gone: the next replacement reads
+            got[:] = await _read_or_fail(bus, {"w": "0"}) or []
+            return bool(got)
+
+        await wait_until(read, 10, "the stream read once the map is right")
+        assert bus._rebuild_wait == pytest.approx(0.2)
+        assert [e.seq for _, e in got[0].entries] == [1]  # type: ignore[union-attr]
     finally:
         await bus.close()
         await writer.close()

@@ -122,6 +122,12 @@ class RedisBus(EventBus):
         self._url = url
         self._opts = dict(opts)
         self.rebuild_after = rebuild_after
+        #: the failing time that triggers the next replacement: doubles after each one (to
+        #: a minute) until a failing group reads again, so a long outage or a slow failover
+        #: (cluster-node-timeout is 15 s by default) does not replace the client every 5 s
+        self._rebuild_wait = rebuild_after
+        #: the groups whose failures caused the last replacement
+        self._stuck: set[int] = set()
         #: cluster clients replaced because a group's reads kept failing (``_rebuild_if_stuck``)
         self.client_rebuilds = 0
         if cluster and sentinels:
@@ -255,7 +261,7 @@ class RedisBus(EventBus):
         reads from the same positions) and the new client is seeded with every node the old
         one knew, so a dead node named by the URL does not matter."""
         now = time.monotonic()
-        if not any(now - t >= self.rebuild_after for t in self._failing_since.values()):
+        if not any(now - t >= self._rebuild_wait for t in self._failing_since.values()):
             return
         old = self._reader
         known = {n.name: n for n in old.nodes_manager.startup_nodes.values()}
@@ -268,6 +274,8 @@ class RedisBus(EventBus):
         )
         self._r = self._reader = RedisCluster.from_url(self._url, startup_nodes=seeds, **self._opts)
         self.client_rebuilds += 1
+        self._rebuild_wait = min(2 * self._rebuild_wait, max(self.rebuild_after, 60.0))
+        self._stuck = set(self._failing_since)
         self._failing_since.clear()
         tasks = [t for _, t in self._inflight.values()]
         self._inflight.clear()
@@ -294,7 +302,9 @@ class RedisBus(EventBus):
                 self._failing_since.setdefault(slot, time.monotonic())
                 failed = failed or exc
                 continue
-            self._failing_since.pop(slot, None)
+            if self._failing_since.pop(slot, None) is not None or slot in self._stuck:
+                self._stuck.clear()  # a failing group reads again
+                self._rebuild_wait = self.rebuild_after
             for key, items in task.result() or []:
                 k = _s(key)
                 if streams.get(k) == positions.get(k):
