@@ -300,6 +300,47 @@ async def test_cluster_reads_stuck_on_a_gone_node_get_a_new_client(
         await writer.close()
 
 
+async def test_cluster_appends_stuck_on_a_gone_node_get_a_new_client(
+    redis_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for an agent's appends: refused (``BusError``, the agent keeps the entries
+    and retries) until the client is replaced, then they land, and a sound reader sees
+    them in order."""
+    writer = RedisBus(redis_cluster.url, cluster=True, rebuild_after=0.5)
+    reader = RedisBus(redis_cluster.url, cluster=True)
+    try:
+        client = writer._r
+        slot = client.keyslot(writer.layout.stream("w"))
+        _wedge(monkeypatch, slot, lambda m: m is client.nodes_manager)
+        await client.initialize()
+        failures = 0
+
+        async def append() -> bool:
+            nonlocal failures
+            try:
+                await writer.append("w", [Entry(1, 1, 1, 0.0, 0.0, [], [])])
+            except BusError:
+                failures += 1
+                return False
+            return True
+
+        await wait_until(append, 10, "an append through a new client")
+        assert failures >= 1 and writer.client_rebuilds == 1 and writer._r is not client
+        await writer.append("w", [Entry(1, 1, 2, 0.0, 0.0, [], [])])
+        got: list[Any] = []
+
+        async def read() -> bool:
+            got[:] = await reader.read({"w": "0"}, block_ms=100)
+            return bool(got)
+
+        await wait_until(read, 10, "the appended entries read")
+        assert [e.seq for _, e in got[0].entries] == [1, 2]  # type: ignore[union-attr]
+        assert writer._rebuild_wait == writer.rebuild_after  # the slot answered again
+    finally:
+        await writer.close()
+        await reader.close()
+
+
 async def test_cluster_client_replacements_back_off_while_reads_keep_failing(
     redis_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:

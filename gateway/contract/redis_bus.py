@@ -11,7 +11,9 @@ Three ways to reach Redis, chosen at construction:
   follows the slot map and its changes after a failover. A worker's keys share the hash
   tag of its stream group, so every command touches one slot. Redis refuses a multi-key
   command across slots (even on one node), so a read is one blocking XREAD per group
-  (``STREAM_GROUPS`` at most), all in flight at once on their own connections;
+  (``STREAM_GROUPS`` at most), all in flight at once on their own connections. A slot
+  whose reads or appends keep failing for ``rebuild_after`` seconds gets a new client
+  (``_rebuild_if_stuck``): a slot map that did not heal after a failover;
 * Sentinel (``sentinels=["host:port", ...]``, ``sentinel_master``; ``url``, if given, only
   for its credentials, database and TLS): the sentinels name the primary on every new
   connection, so after a failover the next reconnect reaches the new
@@ -117,8 +119,10 @@ class RedisBus(EventBus):
         self._key_slot: dict[str, int] = {}
         #: cluster reads in flight: slot -> (positions, XREAD task)
         self._inflight: dict[int, tuple[dict[str, str], asyncio.Future[Any]]] = {}
-        #: cluster: slot -> monotonic time of the first of its reads' current run of failures
+        #: cluster: slot -> monotonic time of the first of its reads' (appends') current run
+        #: of failures
         self._failing_since: dict[int, float] = {}
+        self._appends_failing_since: dict[int, float] = {}
         self._url = url
         self._opts = dict(opts)
         self.rebuild_after = rebuild_after
@@ -126,9 +130,10 @@ class RedisBus(EventBus):
         #: a minute) until a failing group reads again, so a long outage or a slow failover
         #: (cluster-node-timeout is 15 s by default) does not replace the client every 5 s
         self._rebuild_wait = rebuild_after
-        #: the groups whose failures caused the last replacement
+        #: the slots whose failures caused the last replacement
         self._stuck: set[int] = set()
-        #: cluster clients replaced because a group's reads kept failing (``_rebuild_if_stuck``)
+        #: cluster clients replaced because a slot's reads or appends kept failing
+        #: (``_rebuild_if_stuck``)
         self.client_rebuilds = 0
         if cluster and sentinels:
             raise ValueError("redis: cluster and sentinels exclude each other")
@@ -160,8 +165,26 @@ class RedisBus(EventBus):
                     )
                 ids = await pipe.execute()
         except _ERRORS as exc:
+            if self.cluster:
+                self._appends_failing_since.setdefault(self._slot(key), time.monotonic())
+                await self._rebuild_if_stuck()
             raise BusError(f"XADD to {key} failed: {exc}") from exc
+        if self._appends_failing_since or self._stuck:
+            self._succeeded(self._appends_failing_since, self._slot(key))
         return [_s(i) for i in ids]
+
+    def _slot(self, key: str) -> int:
+        slot = self._key_slot.get(key)
+        if slot is None:
+            slot = self._key_slot[key] = self._reader.keyslot(key)
+        return slot
+
+    def _succeeded(self, failing_since: dict[int, float], slot: int) -> None:
+        """``slot`` answered: its run of failures is over, and if it was one that caused the
+        last replacement, the wait before the next is back to ``rebuild_after``."""
+        if failing_since.pop(slot, None) is not None or slot in self._stuck:
+            self._stuck.clear()
+            self._rebuild_wait = self.rebuild_after
 
     async def read(
         self, positions: Mapping[str, str], count: int = 1000, block_ms: int | None = None
@@ -208,10 +231,7 @@ class RedisBus(EventBus):
         and read again from the new position: XREAD consumes nothing."""
         groups: dict[int, dict[str, str]] = {}
         for key, pos in streams.items():
-            slot = self._key_slot.get(key)
-            if slot is None:
-                slot = self._key_slot[key] = self._reader.keyslot(key)
-            groups.setdefault(slot, {})[key] = pos
+            groups.setdefault(self._slot(key), {})[key] = pos
         for slot in [s for s in self._failing_since if s not in groups]:
             del self._failing_since[slot]  # no longer read (its workers left)
         loop = asyncio.get_running_loop()
@@ -256,27 +276,29 @@ class RedisBus(EventBus):
         return await self._reader.execute_command("XREAD", *args, target_nodes=node)
 
     async def _rebuild_if_stuck(self) -> None:
-        """Replace the cluster client when a group's reads have failed for ``rebuild_after``
-        seconds. Its reads in flight are dropped (XREAD consumes nothing: the next call
+        """Replace the cluster client when a group's reads (or a slot's appends) have failed
+        for ``rebuild_after`` seconds (doubling after each replacement). Its reads in flight are dropped (XREAD consumes nothing: the next call
         reads from the same positions) and the new client is seeded with every node the old
         one knew, so a dead node named by the URL does not matter."""
         now = time.monotonic()
-        if not any(now - t >= self._rebuild_wait for t in self._failing_since.values()):
+        failing = {**self._appends_failing_since, **self._failing_since}
+        if not any(now - t >= self._rebuild_wait for t in failing.values()):
             return
         old = self._reader
         known = {n.name: n for n in old.nodes_manager.startup_nodes.values()}
         known.update(old.nodes_manager.nodes_cache)
         seeds = [ClusterNode(n.host, n.port) for n in known.values()]
         log.warning(
-            "cluster reads failing for %.1f s: replacing the Redis client (%d known nodes)",
-            now - min(self._failing_since.values()),
+            "cluster commands failing for %.1f s: replacing the Redis client (%d known nodes)",
+            now - min(failing.values()),
             len(seeds),
         )
         self._r = self._reader = RedisCluster.from_url(self._url, startup_nodes=seeds, **self._opts)
         self.client_rebuilds += 1
         self._rebuild_wait = min(2 * self._rebuild_wait, max(self.rebuild_after, 60.0))
-        self._stuck = set(self._failing_since)
+        self._stuck = set(failing)
         self._failing_since.clear()
+        self._appends_failing_since.clear()
         tasks = [t for _, t in self._inflight.values()]
         self._inflight.clear()
         for task in tasks:
@@ -302,9 +324,7 @@ class RedisBus(EventBus):
                 self._failing_since.setdefault(slot, time.monotonic())
                 failed = failed or exc
                 continue
-            if self._failing_since.pop(slot, None) is not None or slot in self._stuck:
-                self._stuck.clear()  # a failing group reads again
-                self._rebuild_wait = self.rebuild_after
+            self._succeeded(self._failing_since, slot)
             for key, items in task.result() or []:
                 k = _s(key)
                 if streams.get(k) == positions.get(k):
