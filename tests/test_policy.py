@@ -272,17 +272,18 @@ def test_cost_model_shape_and_calibration() -> None:
     st.integers(0, 2**32),
 )
 @pytest.mark.parametrize(
-    ("step_ties", "long_tie_ratio", "long_wait_ratio", "cold_wait_ratio", "queue_weight"),
+    ("step_ties", "long_tie_ratio", "long_wait_ratio", "cold_wait_ratio", "queue_weights"),
     [
-        (0.0, 0.0, 0.0, 3.0, 0.0),  # the default: the cold pool's window
-        (0.0, 0.0, 0.0, 0.0, 0.0),
-        (1.0, 0.0, 0.0, 0.0, 0.0),
-        (1.0, 0.0, 0.0, 3.0, 0.0),
-        (0.0, 0.5, 0.0, 0.0, 0.0),
-        (0.0, 0.0, 3.0, 0.0, 0.0),
-        (0.0, 0.0, 2.0, 6.0, 0.0),
-        (0.0, 0.0, 0.0, 3.0, 1.0),
-        (1.0, 0.5, 0.0, 0.0, 0.3),
+        (0.0, 0.0, 0.0, 3.0, (0.0, 0.0)),  # the default: the cold pool's window
+        (0.0, 0.0, 0.0, 3.0, (0.0, 0.3)),  # and the warm pool's queue weight
+        (0.0, 0.0, 0.0, 0.0, (0.0, 0.0)),
+        (1.0, 0.0, 0.0, 0.0, (0.0, 0.0)),
+        (1.0, 0.0, 0.0, 3.0, (0.0, 0.3)),
+        (0.0, 0.5, 0.0, 0.0, (0.0, 0.0)),
+        (0.0, 0.0, 3.0, 0.0, (0.0, 0.0)),
+        (0.0, 0.0, 2.0, 6.0, (0.0, 0.0)),
+        (0.0, 0.0, 0.0, 3.0, (1.0, 0.0)),
+        (1.0, 0.5, 0.0, 0.0, (0.3, 1.0)),
     ],
 )
 def test_pruned_ttft_search_agrees_with_scoring_everyone(
@@ -290,7 +291,7 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
     long_tie_ratio: float,
     long_wait_ratio: float,
     cold_wait_ratio: float,
-    queue_weight: float,
+    queue_weights: tuple[float, float],
     ops: list[tuple[int, int, bool, int]],
     matches: dict[str, int],
     prompt_tokens: int,
@@ -314,7 +315,8 @@ def test_pruned_ttft_search_agrees_with_scoring_everyone(
         long_wait_ratio=long_wait_ratio,
         cold_wait_ratio=cold_wait_ratio,
         cold_min_requests=0,  # the gate on the reuse of however few requests were drawn
-        queue_weight=queue_weight,
+        queue_weight=queue_weights[0],
+        warm_queue_weight=queue_weights[1],
     )
     req = RouteRequest([], prompt_tokens, BS)
     pop = PrefixPopularity()
@@ -583,6 +585,38 @@ def test_ttft_queue_weight_keeps_a_conversation_on_its_busy_holder_under_load() 
     assert choose(0.5, queue_weight=1.0) == "w1"  # one every 4 s per worker: the move stands
     with pytest.raises(ValueError, match="queue_weight"):
         make_policy("ttft", queue_weight=-1.0)
+
+
+def test_ttft_warm_queue_weight_applies_while_the_pool_reuses_much() -> None:
+    """``warm_queue_weight``: ``queue_weight``'s term, only while the pool's recent reuse is
+    at least ``cold_reuse`` (multi-turn chat, where a move costs others their cache) and
+    once ``cold_min_requests`` were sent; in a cold pool (long, mostly cold prompts, where
+    the term cost the p99) the default's choice stands."""
+    turn = RouteRequest([], 8_000, BS)
+    matches = {"w0": 7_900 // BS}  # the conversation so far, on w0, whose queue is long
+
+    def choose(cached: int, rate: float = 40.0, **params: float) -> str:
+        loads = LoadTracker(order_key=CostModel().queue_key)
+        for w in ("w0", "w1"):
+            loads.add_worker(w)
+        loads.started("w0", 30_000, now=0.0, cached_tokens=cached)
+        pop = PrefixPopularity()
+        for i in range(int(rate * 10)):  # ``rate`` requests/s over the last 10 s
+            pop.observe_request(i / rate)
+        pol = make_policy("ttft", cold_wait_ratio=0.0, **params)
+        ctx = PolicyContext(rng=random.Random(0), popularity=pop, now=10.0)
+        return pol.choose(turn, PoolView.from_matches(loads, matches), ctx).worker
+
+    warm, cold = 90_000, 0  # reuse 0.75 and 0
+    assert choose(warm, warm_queue_weight=1.0, cold_min_requests=0) == "w0"  # it stays
+    assert choose(cold, warm_queue_weight=1.0, cold_min_requests=0) == "w1"  # cold: it moves
+    assert choose(warm, warm_queue_weight=1.0) == "w1"  # 1 request sent: no evidence yet
+    assert choose(warm, cold_min_requests=0) == "w1"  # off by default
+    assert choose(warm, 40.0, warm_queue_weight=0.3, cold_min_requests=0) == "w1"  # 0.3 at 40/s
+    assert choose(warm, 160.0, warm_queue_weight=0.3, cold_min_requests=0) == "w0"  # and 160/s
+    assert choose(cold, queue_weight=1.0, cold_min_requests=0) == "w0"  # whatever the reuse
+    with pytest.raises(ValueError, match="warm_queue_weight"):
+        make_policy("ttft", warm_queue_weight=-1.0)
 
 
 def test_prefix_popularity_total_rate_is_the_pools_request_rate() -> None:

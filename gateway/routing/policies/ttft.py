@@ -37,8 +37,20 @@ its whole prefill would lengthen the queues that prompted the move. On chat-evic
 against 4 and 8.8 s); on long, mostly cold prompts past capacity
 (``trace-production`` at 40-60%) the median fell 14-21% and the p99 rose 21-35%, the cold
 long prompts that the default spreads waiting behind the requests that match where they
-are (docs/benchmarks.md, "Collapses near capacity are the policy's"). A median-first
-setting for saturated chat traffic, not the default.
+are (docs/benchmarks.md, "Collapses near capacity are the policy's").
+
+``warm_queue_weight`` (off by default) is that term only where it should pay: while the
+pool's recent reuse is at least ``cold_reuse`` (after ``cold_min_requests``), the gate
+``cold_wait_ratio`` uses the other way round. With much reuse a move off a busy holder
+redoes a conversation's (or an adapter's) prefill and evicts others' cache; with little
+(trace-production, hit ~0.06) there is nothing to lose by spreading, and the term cost the
+p99 there. Offline at 0.3 (docs/benchmarks.md, "The queue weight where the pool reuses
+much"): chat-eviction at 60% p50 / p99 1,424 / 5,212 to 1,241 / 4,403 ms (12 seeds), lora,
+hot-sudden and dp-ranks lower at their highest load, trace-production unchanged (the gate
+stays shut), dp-ranks at 50-60% p99 +2-7%. Live on chat-eviction at 60% the gain did not
+show: in four alternated pairs it was worse in three (goodput 0.78 against 0.93 on
+average), so it stays off until the simulator and the live gateway agree on it. A larger
+``queue_weight`` applies whatever the reuse.
 
 ``long_tie_ratio`` (off by default) widens the near-ties of a long request (uncached tokens
 at least ``long_factor`` x the pool's recent mean, ``LoadTracker.mean_prompt_tokens``) to
@@ -197,16 +209,17 @@ class PredictedTTFT(Policy):
         cold_min_requests: int = 32,
         warm_idle: bool = True,
         queue_weight: float = 0.0,
+        warm_queue_weight: float = 0.0,
     ) -> None:
         if (
             min(compute_weight, tie_ms, tie_ratio, replication, step_ties, hot_step_ties) < 0
             or min(long_tie_ratio, long_factor, long_wait_ratio, cold_wait_ratio, cold_reuse) < 0
-            or min(cold_min_requests, queue_weight) < 0
+            or min(cold_min_requests, queue_weight, warm_queue_weight) < 0
         ):
             raise ValueError(
                 "compute_weight, tie_ms, tie_ratio, replication, step_ties, hot_step_ties,"
                 " long_tie_ratio, long_factor, long_wait_ratio, cold_wait_ratio, cold_reuse,"
-                " cold_min_requests and queue_weight must be >= 0"
+                " cold_min_requests, queue_weight and warm_queue_weight must be >= 0"
             )
         self.compute_weight = compute_weight
         self.tie_ms = tie_ms
@@ -233,6 +246,8 @@ class PredictedTTFT(Policy):
         # the request's prefill also delays the requests that reach its worker meanwhile
         # (off by default): see the module docstring
         self.queue_weight = queue_weight
+        # ... and that weight while the pool's recent reuse is at least cold_reuse
+        self.warm_queue_weight = warm_queue_weight
 
     def choose(
         self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, explain: bool = False
@@ -289,9 +304,16 @@ class PredictedTTFT(Policy):
         # while it waits and prefills there (the pool's arrival rate per worker x its TTFT
         # there): a score adds prefill x that count x queue_weight, ``ext[m]`` x its TTFT. It
         # only adds, so the scan's lower bounds (base + queue) still hold
-        ext: dict[int, float] | None = None  # None: off (the default), nothing per decision
-        if self.queue_weight > 0:
-            per_ms = self.queue_weight * ctx.popularity.total_rate(ctx.now) / (1000.0 * pool.size)
+        ext: dict[int, float] | None = None  # None: off, nothing per decision
+        qw = self.queue_weight
+        if (
+            self.warm_queue_weight > qw
+            and pool.loads.sent >= self.cold_min_requests
+            and pool.loads.reuse() >= self.cold_reuse
+        ):
+            qw = self.warm_queue_weight  # much reuse: moves cost others their cache
+        if qw > 0:
+            per_ms = qw * ctx.popularity.total_rate(ctx.now) / (1000.0 * pool.size)
             if per_ms > 0:
                 ext = {m: terms[m].prefill * scale * per_ms for m in floors}
 
