@@ -154,6 +154,25 @@ class LocalCluster:
                 return int(s[2][1])
         raise HarnessError(f"slot {slot} of {key!r} is not served")
 
+    def slot_views(self, slot: int) -> dict[int, int | None]:
+        """Every live node's own answer to who serves ``slot`` (node port -> primary port,
+        None where the node says nobody, or cannot be asked): after a failover the nodes
+        can disagree until the news has reached them all."""
+        out: dict[int, int | None] = {}
+        for n in self.nodes:
+            if n.proc is None:
+                continue
+            out[n.port] = None
+            try:
+                with _client(n.port) as r:
+                    shards = r.execute_command("CLUSTER SLOTS")
+            except redis.RedisError:
+                continue
+            for sh in shards:
+                if int(sh[0]) <= slot <= int(sh[1]):
+                    out[n.port] = int(sh[2][1])
+        return out
+
     def replica_of(self, primary_port: int) -> int:
         """Port of a live replica of ``primary_port``."""
         for n in self.nodes:

@@ -437,15 +437,37 @@ async def _drive_all(engines: list[Any], steps: int) -> None:
         await drive(engine, steps)
 
 
-async def _index_equals_mirrors(consumer: Any, agents: list[Any], engines: list[Any]) -> None:
+async def _index_equals_mirrors(
+    consumer: Any, agents: list[Any], engines: list[Any], cluster: LocalCluster | None = None
+) -> None:
     for engine, agent in zip(engines, agents, strict=True):
         expected = engine.expected_keys(KEYER)
         await wait_until(lambda a=agent, e=expected: a.mirror_keys() == e, 20, "mirror == engine")
-    await settle(consumer, agents, 40)
+    try:
+        await settle(consumer, agents, 40)
+    except AssertionError as exc:
+        if cluster is None:
+            raise
+        raise AssertionError(f"{exc}\n{_slot_views(consumer, cluster)}") from exc
     assert sorted(consumer.workers()) == WORKERS
     for agent in agents:
         w = agent.config.worker_id
         assert key_digest(consumer.index.worker_keys(w)) == key_digest(agent.mirror_keys())
+
+
+def _slot_views(consumer: Any, cluster: LocalCluster) -> str:
+    """Per worker: the node the consumer's client reads its stream from, and each live
+    node's own view of who serves it (a stale client, or nodes that disagree)."""
+    manager = consumer.bus._reader.nodes_manager
+    lines = [f"client rebuilds: {consumer.bus.client_rebuilds}"]
+    for w in WORKERS:
+        slot = key_slot(RedisLayout().stream(w).encode())
+        nodes = manager.slots_cache.get(slot) or []
+        lines.append(
+            f"{w}: slot {slot}, client reads {nodes[0].name if nodes else None},"
+            f" nodes say {cluster.slot_views(slot)}"
+        )
+    return "\n".join(lines)
 
 
 async def _fail_over_while_publishing(engines: list[Any], fail: Callable[[], Any]) -> None:
@@ -478,7 +500,7 @@ async def test_cluster_shard_failover_loses_nothing(redis_cluster: LocalCluster)
         )
         assert redis_cluster.primary_for(stream) == new[0] != victim
         await _drive_all(engines, 5)
-        await _index_equals_mirrors(consumer, agents, engines)
+        await _index_equals_mirrors(consumer, agents, engines, redis_cluster)
         assert victim not in redis_cluster.shard_primaries()
 
 
