@@ -284,8 +284,8 @@ class GatewayMetrics:
         )
         self.redis_client_rebuilds = Gauge(
             "kvroute_redis_client_rebuilds",
-            "Redis Cluster clients replaced because a shard's reads kept failing (a slot map "
-            "that did not heal after a failover)",
+            "Redis Cluster clients replaced because a shard's reads or appends kept failing (a "
+            "slot map that did not heal after a failover)",
             multiprocess_mode="livesum",
             registry=r,
         )

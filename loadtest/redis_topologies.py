@@ -43,6 +43,14 @@ def poll(cond: Callable[[], Any], within: float, what: str, every: float = 0.05)
         time.sleep(every)
 
 
+def _owner(shards: list[Any], slot: int) -> int | None:
+    """The primary's port serving ``slot`` in a ``CLUSTER SLOTS`` reply (None: nobody)."""
+    for s in shards:
+        if int(s[0]) <= slot <= int(s[1]):
+            return int(s[2][1])
+    return None
+
+
 def _client(port: int) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=port, socket_timeout=1, socket_connect_timeout=1)
 
@@ -149,10 +157,10 @@ class LocalCluster:
         with _client(live[0].port) as r:
             slot = int(r.execute_command("CLUSTER KEYSLOT", key))
             shards = r.execute_command("CLUSTER SLOTS")
-        for s in shards:
-            if int(s[0]) <= slot <= int(s[1]):
-                return int(s[2][1])
-        raise HarnessError(f"slot {slot} of {key!r} is not served")
+        owner = _owner(shards, slot)
+        if owner is None:
+            raise HarnessError(f"slot {slot} of {key!r} is not served")
+        return owner
 
     def slot_views(self, slot: int) -> dict[int, int | None]:
         """Every live node's own answer to who serves ``slot`` (node port -> primary port,
@@ -162,15 +170,11 @@ class LocalCluster:
         for n in self.nodes:
             if n.proc is None:
                 continue
-            out[n.port] = None
             try:
                 with _client(n.port) as r:
-                    shards = r.execute_command("CLUSTER SLOTS")
+                    out[n.port] = _owner(r.execute_command("CLUSTER SLOTS"), slot)
             except redis.RedisError:
-                continue
-            for sh in shards:
-                if int(sh[0]) <= slot <= int(sh[1]):
-                    out[n.port] = int(sh[2][1])
+                out[n.port] = None
         return out
 
     def replica_of(self, primary_port: int) -> int:

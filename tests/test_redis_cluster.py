@@ -245,6 +245,16 @@ async def test_cluster_read_drops_what_was_read_from_a_stale_position(
         await writer.close()
 
 
+async def _wedge_client(monkeypatch: pytest.MonkeyPatch, bus: RedisBus, worker: str) -> Any:
+    """Wedge ``bus``'s own client (only it) on a gone node for ``worker``'s stream; returns
+    that client, initialised."""
+    client = bus._r
+    slot = client.keyslot(bus.layout.stream(worker))
+    _wedge(monkeypatch, slot, lambda m: m is client.nodes_manager)
+    await client.initialize()
+    return client
+
+
 def _wedge(monkeypatch: pytest.MonkeyPatch, slot: int, clients: Callable[[Any], bool]) -> None:
     """Make the slot maps of the cluster clients that ``clients`` picks (by their nodes
     manager) name a node that is gone for ``slot``, whatever their refresh reads."""
@@ -277,10 +287,7 @@ async def test_cluster_reads_stuck_on_a_gone_node_get_a_new_client(
     bus = RedisBus(redis_cluster.url, cluster=True, rebuild_after=0.5)
     try:
         await writer.append("w", [Entry(1, 1, i, 0.0, 0.0, [], []) for i in (1, 2)])
-        client = bus._reader
-        slot = client.keyslot(bus.layout.stream("w"))
-        _wedge(monkeypatch, slot, lambda m: m is client.nodes_manager)  # only this client
-        await client.initialize()
+        client = await _wedge_client(monkeypatch, bus, "w")
         failures = 0
         got: list[Any] = []
 
@@ -309,10 +316,7 @@ async def test_cluster_appends_stuck_on_a_gone_node_get_a_new_client(
     writer = RedisBus(redis_cluster.url, cluster=True, rebuild_after=0.5)
     reader = RedisBus(redis_cluster.url, cluster=True)
     try:
-        client = writer._r
-        slot = client.keyslot(writer.layout.stream("w"))
-        _wedge(monkeypatch, slot, lambda m: m is client.nodes_manager)
-        await client.initialize()
+        client = await _wedge_client(monkeypatch, writer, "w")
         failures = 0
 
         async def append() -> bool:

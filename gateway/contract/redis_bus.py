@@ -174,6 +174,7 @@ class RedisBus(EventBus):
         return [_s(i) for i in ids]
 
     def _slot(self, key: str) -> int:
+        """``key``'s cluster slot, memoised (``_stream_key`` clears the memo)."""
         slot = self._key_slot.get(key)
         if slot is None:
             slot = self._key_slot[key] = self._reader.keyslot(key)
@@ -277,9 +278,12 @@ class RedisBus(EventBus):
 
     async def _rebuild_if_stuck(self) -> None:
         """Replace the cluster client when a group's reads (or a slot's appends) have failed
-        for ``rebuild_after`` seconds (doubling after each replacement). Its reads in flight are dropped (XREAD consumes nothing: the next call
-        reads from the same positions) and the new client is seeded with every node the old
-        one knew, so a dead node named by the URL does not matter."""
+        for ``rebuild_after`` seconds (doubling after each replacement). Its reads in flight
+        are dropped (XREAD consumes nothing: the next call reads from the same positions)
+        and the new client is seeded with every node the old one knew, so a dead node named
+        by the URL does not matter."""
+        if not self._failing_since and not self._appends_failing_since:
+            return  # the usual case: nothing failing, nothing allocated per read
         now = time.monotonic()
         failing = {**self._appends_failing_since, **self._failing_since}
         if not any(now - t >= self._rebuild_wait for t in failing.values()):
@@ -324,7 +328,8 @@ class RedisBus(EventBus):
                 self._failing_since.setdefault(slot, time.monotonic())
                 failed = failed or exc
                 continue
-            self._succeeded(self._failing_since, slot)
+            if self._failing_since or self._stuck:
+                self._succeeded(self._failing_since, slot)
             for key, items in task.result() or []:
                 k = _s(key)
                 if streams.get(k) == positions.get(k):
