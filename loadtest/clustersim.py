@@ -114,6 +114,9 @@ class Arrival:
     session: str | None = None  # the gateway's session key (``x-session-id``)
     #: the workers it may go to (a replayed request log's candidates); None: all
     workers: frozenset[str] | None = None
+    #: the tokens it generates (uint32 LE) when known (a replayed log: the answer the next
+    #: turn sent back, so the engine caches the blocks that turn reuses); None: a pattern
+    output: bytes | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -814,7 +817,7 @@ class ClusterSim:
         flight = _Flight(a.index, t, ticket, w.i, router)
         w.muts += 1
         try:
-            w.core.add_request(tokens, a.max_tokens, t, tag=flight)
+            w.core.add_request(tokens, a.max_tokens, t, tag=flight, output=a.output)
         except ValueError as exc:  # RequestTooLarge or a malformed request: the engine's 400
             router.finished(ticket, t)
             reason = type(exc).__name__

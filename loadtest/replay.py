@@ -10,10 +10,18 @@ The log holds re-hashed block keys, not tokens; the engines need tokens. Each bl
 becomes a block of token ids derived from the key (its 64 bits in 31-bit words, repeated to
 the block size), so two prompts share engine blocks exactly where their logged key chains
 agree, which is all that prefix caching and routing compare. The partial last block is
-filled with ids unique to the request. What a replay cannot reproduce: reuse of blocks that
-an engine first wrote while *decoding* (a follow-up turn that sends the previous answer back
-matches it live when the tokens agree; in the replay the answer's tokens are synthetic), and
-retried attempts (only the attempt that served is logged).
+filled with ids unique to the request.
+
+Answers sent back: an engine caches the blocks it wrote while *decoding* too, and a chat's
+next turn reuses them when it sends the answer back. A request's **successor** is the later
+request that extends its key chain past its last full block: the next such request of its
+session, or, without a session key, the first such request when the chain's last key was
+nobody's before (a prompt that ends inside a shared prefix has no successor of its own).
+A request with a successor is replayed with the successor's tokens as its partial last block
+and as what it generates, so its engine caches exactly the blocks the successor will look
+up. What a replay still cannot reproduce: an answer the client changed before sending it
+back (the replay assumes it came back as generated), and retried attempts (only the attempt
+that served is logged).
 
 Bad input: a last line without its newline (a writer stopped mid-line) is skipped and
 counted; any other line that is not a record is an error naming the file and line, unless
@@ -32,11 +40,21 @@ import msgspec
 import numpy as np
 
 from gateway.request_log import VERSION, LogRecord
-from loadtest.clustersim import Arrival, SimResult
+from loadtest.clustersim import TOKEN_BYTES, Arrival, SimResult
 
-__all__ = ["CapturedLog", "LogFormatError", "agreement", "block_tokens", "read_log"]
+__all__ = [
+    "CapturedLog",
+    "LogFormatError",
+    "agreement",
+    "block_tokens",
+    "read_log",
+    "successors",
+]
 
 _W31 = np.uint64(0x7FFFFFFF)
+_FILLERS = 2**31 - 4
+#: a session's requests still waiting for the turn that sends their answer back
+_WAITING = 4
 
 
 class LogFormatError(ValueError):
@@ -106,15 +124,78 @@ class CapturedLog:
         if rate and len(rows) > 1 and span > 0:
             factor = (len(rows) - 1) / span / rate
         bs = self.block_size
+        after = successors(rows)
         for i, r in enumerate(rows):
+            j = after[i]
+            output = None
+            if j < 0:
+                tokens = block_tokens(r.keys, r.prompt_tokens, bs, i)
+            else:  # its answer came back in request j: j's tokens, up to its last full block
+                sent = rows[j].keys
+                upto = block_tokens(sent, len(sent) * bs, bs, j)
+                cut = r.prompt_tokens * TOKEN_BYTES
+                tokens = upto[:cut]
+                output = upto[cut : cut + r.output_tokens * TOKEN_BYTES]
             yield Arrival(
                 i,
                 (r.t - t0) * factor,
-                block_tokens(r.keys, r.prompt_tokens, bs, i),
+                tokens,
                 r.output_tokens,
                 r.session,
                 r.workers if candidates else None,
+                output,
             )
+
+
+def successors(rows: Sequence[_Row]) -> list[int]:
+    """For each request, the index of the request that sent its answer back, or -1 (see
+    the module docstring). Key chains are hash chains: a later chain holding this request's
+    last full-block key holds its whole prefix, at the same position."""
+    out = [-1] * len(rows)
+    by_session: dict[str, list[int]] = {}  # requests of a session still waiting, oldest first
+    by_key: dict[int, list[int]] = {}  # sessionless requests waiting, by their last key
+    new = _new_last_keys(rows)
+    for j, r in enumerate(rows):
+        n = len(r.keys)
+        if r.session is not None:
+            waiting = by_session.setdefault(r.session, [])
+            for i in list(waiting):
+                m = len(rows[i].keys)
+                if m < n and int(r.keys[m - 1]) == int(rows[i].keys[m - 1]):
+                    out[i] = j
+                    waiting.remove(i)
+        if by_key and n > 1:
+            for k in by_key.keys() & set(r.keys[:-1].tolist()):
+                for i in by_key.pop(k):
+                    out[i] = j
+        if n == 0:
+            continue
+        last = int(r.keys[-1])
+        if r.session is not None:
+            waiting.append(j)
+            if len(waiting) > _WAITING:  # a session that forks or restarts: stay bounded
+                del waiting[0]
+        elif new[j]:
+            by_key.setdefault(last, []).append(j)
+    return out
+
+
+def _new_last_keys(rows: Sequence[_Row]) -> np.ndarray:
+    """Per request: its chain's last key appears in no earlier request's chain (only asked
+    for requests without a session, so computed only when there are some)."""
+    flags = np.zeros(len(rows), dtype=bool)
+    if all(r.session is not None for r in rows):
+        return flags
+    sizes = np.fromiter((len(r.keys) for r in rows), dtype=np.int64, count=len(rows))
+    if not sizes.sum():
+        return flags
+    keys = np.concatenate([r.keys for r in rows])
+    owner = np.repeat(np.arange(len(rows)), sizes)
+    uniq, first = np.unique(keys, return_index=True)  # first occurrence, rows in time order
+    last = np.array([r.keys[-1] if len(r.keys) else 0 for r in rows], dtype=np.uint64)
+    pos = np.searchsorted(uniq, last)
+    flags[:] = (sizes > 0) & (owner[first[pos]] == np.arange(len(rows)))
+    return flags
 
 
 def block_tokens(keys: np.ndarray, prompt_tokens: int, block_size: int, uniq: int) -> bytes:
@@ -123,7 +204,9 @@ def block_tokens(keys: np.ndarray, prompt_tokens: int, block_size: int, uniq: in
     words = np.stack([keys & _W31, (keys >> np.uint64(31)) & _W31, keys >> np.uint64(62)], axis=1)
     blocks = words[:, np.arange(block_size) % 3].astype("<u4").tobytes() if n else b""
     tail = prompt_tokens - n * block_size
-    filler = np.full(tail, 0x80000000 | (uniq & 0x7FFFFFFF), dtype="<u4").tobytes()
+    # one id per request, a valid token id (< 2**31: the engine's own decode may fill the
+    # block and publish it) and >= 4, so no key's block (its third word is < 4) equals it
+    filler = np.full(tail, 4 + uniq % _FILLERS, dtype="<u4").tobytes()
     return blocks + filler
 
 

@@ -18,6 +18,7 @@ import random
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,17 +31,32 @@ from gateway.routing.policy import Decision
 from loadtest import simulate
 from loadtest.clustersim import ClusterConfig
 from loadtest.clustersim import simulate as run_sim
-from loadtest.replay import LogFormatError, block_tokens, read_log, simulated_decisions
+from loadtest.replay import (
+    LogFormatError,
+    block_tokens,
+    read_log,
+    simulated_decisions,
+    successors,
+)
 from loadtest.stack import Stack, StackConfig, wait_for
 
 
-def write_log(path: Path, rows: list[tuple[list[int], int, str]], pool: str = "m") -> None:
-    """Records through the real writer: (keys, prompt tokens, chosen worker)."""
+def write_log(
+    path: Path,
+    rows: list[tuple[list[int], int, str]],
+    pool: str = "m",
+    sessions: list[str | None] | None = None,
+    output: int = 3,
+) -> None:
+    """Records through the real writer: (keys, prompt tokens, chosen worker), each with
+    ``output`` generated tokens and its session (``sessions``, default none)."""
     rl = RequestLog(RequestLogSettings(path=str(path)), "seed")
     rl.open()
-    for keys, prompt, worker in rows:
+    for i, (keys, prompt, worker) in enumerate(rows):
         d = Decision(worker, "round_robin", "turn", 0, None)
-        rl.record(pool, 16, keys, prompt, d, ["w-a", "w-b"], 0.0, Usage(prompt, 0, 3))
+        session = sessions[i] if sessions is not None else None
+        usage = Usage(prompt, 0, output)
+        rl.record(pool, 16, keys, prompt, d, ["w-a", "w-b"], 0.0, usage, 200, session)
         time.sleep(0.002)  # distinct arrival times
     rl.close()
 
@@ -65,6 +81,49 @@ def test_replayed_prompts_share_blocks_exactly_where_their_key_chains_do(tmp_pat
     keys = np.array([2**63 + 5, 5, 2**62 + 5], dtype=np.uint64)
     toks = block_tokens(keys, 48, 16, 0)
     assert len({toks[i * 64 : (i + 1) * 64] for i in range(3)}) == 3
+
+
+def test_a_turn_that_sends_the_answer_back_is_its_predecessors_successor(tmp_path: Path) -> None:
+    """Sessions link turns; without one, a chain that extends a new last key does, and a
+    prompt ending inside a prefix others hold (key 1 below) gets no successor."""
+    path = tmp_path / "r.jsonl"
+    rows = [
+        ([1, 2], 40, "w-a"),  # 0: session a, turn 1
+        ([1, 7], 40, "w-a"),  # 1: session b, turn 1
+        ([1, 7, 8, 9], 70, "w-b"),  # 2: session b, turn 2
+        ([1, 2, 3, 4], 70, "w-b"),  # 3: session a, turn 2
+        ([1, 2, 3, 4], 70, "w-b"),  # 4: session c: the same chain, another session
+        ([1, 5], 40, "w-a"),  # 5: no session, a new last key
+        ([1], 20, "w-a"),  # 6: no session, ends inside everyone's first block
+        ([1, 5, 6], 60, "w-b"),  # 7: no session, extends 5 (and 6's key 1)
+        ([1, 2, 3, 4, 10], 90, "w-a"),  # 8: session a, turn 3
+    ]
+    sessions = ["a", "b", "b", "a", "c", None, None, None, "a"]
+    write_log(path, rows, sessions=sessions)
+    log = read_log([str(path)])
+    assert successors(log.rows) == [3, 2, -1, 8, -1, 7, -1, -1, -1]
+
+
+def test_a_follow_up_turn_reuses_the_answer_its_predecessor_generated(tmp_path: Path) -> None:
+    """Turn 1 (40 prompt tokens, 30 generated) leaves 69 tokens of KV: blocks 0-3 full. Turn
+    2 sent the answer back (keys 3 and 4 hold it): 64 of its tokens are cached, as live.
+    Without the answer's tokens the replayed engine would have cached blocks nobody asks for
+    and turn 2 would find 32."""
+    path = tmp_path / "r.jsonl"
+    write_log(
+        path,
+        [([1, 2], 40, "w-a"), ([1, 2, 3, 4, 5], 90, "w-a")],
+        sessions=["s", "s"],
+        output=30,
+    )
+    log = read_log([str(path)])
+    first, second = log.arrivals()
+    assert first.tokens == second.tokens[: 40 * 4] and first.output == second.tokens[160:280]
+    assert second.output is None  # no turn sent its answer back
+    # 20 s apart (the log's are 2 ms: turn 1 would still be decoding)
+    res = run_sim(log.arrivals(0.05), ClusterConfig(names=["w-a"], policy="round_robin"))
+    cached = dict(zip(res.table.index, res.table.cached_tokens, strict=True))
+    assert cached == {0: 0, 1: 64}
 
 
 def test_bad_lines_name_file_and_line_and_a_truncated_tail_is_skipped(tmp_path: Path) -> None:
@@ -160,6 +219,55 @@ def test_a_log_captured_live_replays_to_the_same_decisions_and_compares_policies
     assert by["round_robin"]["same_worker_as_live"]["rate"] < 1.0
     assert by["prefix"]["summary"]["hit_rate"] > by["round_robin"]["summary"]["hit_rate"]
     assert (tmp_path / "plots" / "ttft_cdf.png").exists()
+
+
+def _chat(url: str, session: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    body = json.dumps({"model": "sim-model", "messages": messages, "max_tokens": 40}).encode()
+    headers = {"content-type": "application/json", "x-session-id": session}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers=headers)
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+        return out
+
+
+def test_a_chat_captured_live_replays_with_the_cache_hits_of_its_answers(tmp_path: Path) -> None:
+    """Multi-turn chats, each turn sending the previous answer back: live, the engine
+    reuses the blocks it wrote while decoding that answer. The replay (same policy, seed and
+    engine speed) must find the same cached tokens for every request, answers included."""
+    log_path = tmp_path / "requests.jsonl"
+    cfg = StackConfig(
+        workers=2,
+        speedup=20,
+        policy="prefix",
+        pool_settings={"seed": 7},
+        gateway_settings={"request_log": {"path": str(log_path)}},
+        log_dir=tmp_path / "stack",
+    )
+    rng = random.Random(5)
+    systems = [" ".join(rng.choice(WORDS) for _ in range(60)) for _ in range(2)]
+    chats = {f"c{i}": [{"role": "system", "content": systems[i % 2]}] for i in range(4)}
+    with Stack(cfg) as stack:
+        url = stack.gateway_urls[0]
+        for _ in range(3):
+            for session, messages in chats.items():
+                text = " ".join(rng.choice(WORDS) for _ in range(25))
+                messages.append({"role": "user", "content": text})
+                answer = _chat(url, session, messages)["choices"][0]["message"]["content"]
+                messages.append({"role": "assistant", "content": answer})
+        assert wait_for(lambda: len(log_path.read_text().splitlines()) >= 12, 10.0) is not None
+    log = read_log([str(log_path)])
+    assert len(log) == 12 and len({r.worker for r in log.rows}) == 2
+    assert successors(log.rows) == [*range(4, 12), *[-1] * 4]  # each turn's next turn
+    live = sorted((json.loads(x) for x in log_path.read_text().splitlines()), key=lambda x: x["t"])
+    # live, turns reused their previous answer: more cached than the previous prompt's blocks
+    for r, nxt in zip(live[:8], live[4:], strict=True):
+        assert nxt["cached_tokens"] >= r["prompt_tokens"] + 16
+
+    res = run_sim(log.arrivals(), ClusterConfig(names=log.names, policy="prefix", seed=7,
+                                                speedup=20))  # fmt: skip
+    assert simulated_decisions(res, len(log)) == [r.worker for r in log.rows]
+    cached = dict(zip(res.table.index, res.table.cached_tokens, strict=True))
+    assert [cached[i] for i in range(len(log))] == [x["cached_tokens"] for x in live]
 
 
 def test_the_gateway_keeps_serving_when_the_log_cannot_be_written(tmp_path: Path) -> None:

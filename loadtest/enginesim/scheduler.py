@@ -108,6 +108,9 @@ class SimRequest:
     #: token is computed here (the transferred blocks enter this engine's cache as usual)
     remote: bool = False
     lora: str | None = None  # the LoRA adapter asked for (its own cache tree and slot)
+    #: the tokens it generates (uint32 LE), when the caller knows them (a replayed log: the
+    #: answer its conversation's next turn sent back); None: the engine's output pattern
+    output: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -212,10 +215,12 @@ class EngineCore:
         tag: Any = None,
         remote: bool = False,
         lora: str | None = None,
+        output: bytes | None = None,
     ) -> SimRequest:
         """Queue a request that arrived at ``now`` (``remote``: its prompt's KV was prefilled
-        by another engine; ``lora``: for that LoRA adapter, one of the configured ones).
-        Raises ValueError if it is malformed."""
+        by another engine; ``lora``: for that LoRA adapter, one of the configured ones;
+        ``output``: the tokens it generates, uint32 LE, padded with the engine's pattern
+        when shorter). Raises ValueError if it is malformed."""
         if lora is not None and lora not in self.adapters:
             raise ValueError(f"unknown LoRA adapter {lora!r}")
         data = pack_tokens(tokens)
@@ -232,7 +237,15 @@ class EngineCore:
         if not self.has_work():
             self._free_at = max(self._free_at, now)
         req = SimRequest(
-            self._next_rid, data, prompt_len, max_tokens, now, tag, remote=remote, lora=lora
+            self._next_rid,
+            data,
+            prompt_len,
+            max_tokens,
+            now,
+            tag,
+            remote=remote,
+            lora=lora,
+            output=output,
         )
         self._next_rid += 1
         self._waiting.append(req)
@@ -549,13 +562,13 @@ class EngineCore:
             if last > first:
                 if self.bigram:  # bigrams over the tokens up to one past the last block
                     n_out = last * bs + 1 - req.prompt_len
-                    full = bigram_atoms(req.tokens + self._output_bytes(n_out))
+                    full = bigram_atoms(req.tokens + self._generated(req, n_out))
                     self._cache_blocks(req, full, first, last, end)
                 else:  # only blocks ``first..`` are read: the tokens from there, not a copy
                     # of the whole prompt (``insert`` reads ``tokens`` from ``start_block`` on)
                     start = first * bs
                     tail = req.tokens[start * TOKEN_BYTES :]
-                    tail += self._output_bytes(last * bs - req.prompt_len)
+                    tail += self._generated(req, last * bs - req.prompt_len)
                     self._cache_blocks(req, tail, 0, last - first, end)
         self._release(req, end)
         req.state = RequestState.FINISHED
@@ -586,6 +599,16 @@ class EngineCore:
         req._blocks = []
         req._node = None
         req._key = None
+
+    def _generated(self, req: SimRequest, n: int) -> bytes:
+        """The first ``n`` tokens ``req`` generated: its own, then the engine's pattern."""
+        own = req.output
+        if own is None:
+            return self._output_bytes(n)
+        size = n * TOKEN_BYTES
+        if len(own) >= size:
+            return own[:size]
+        return own + self._output_bytes(n - len(own) // TOKEN_BYTES)
 
     def _output_bytes(self, n: int) -> bytes:
         pat = self._pattern
