@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import threading
 import time
 import urllib.request
@@ -206,6 +207,10 @@ class CompareConfig:
     #: gateway replicas per kvroute system (and peer processes); the driver spreads requests
     #: over them round-robin, like a load balancer in front
     replicas: int = 1
+    #: kvroute's gateways write a request log per run, replica ``i`` to
+    #: ``<out_dir>/requests/<nn>-<system>_<load>_.g<i>.jsonl`` (``nn``: the run's number)
+    #: (``kvroute simulate --from-log`` replays it: the simulator on the live stream)
+    request_log: bool = False
     mode: str = "chat"
     out_dir: str = "reports/compare"
     seed: int = 0
@@ -835,6 +840,8 @@ class _Runner:
         self.stack = stack
         self.cfg = cfg
         self.stream = stream
+        self._logs = 0  # runs with request logs (numbered in run order)
+        self._log_paths: list[str] = []  # the current run's request logs
 
     def run(
         self, system: str, rate: float, duration: float, load: float | None = None
@@ -844,8 +851,11 @@ class _Runner:
         row: dict[str, Any] = {"system": system, "load": round(load, 4), "rate": round(rate, 3)}
         items, warmup = self.stream.window(rate, duration)
         self.stream.arrivals(items)  # completion_ids: the segments get their token ids
+        self._log_paths = []
         try:
             row.update(self._run_one(system, items, warmup, duration, f"{system} @ {load:.0%}"))
+            if self._log_paths:
+                row["request_logs"] = list(self._log_paths)
         except (PeerNotInstalled, PeerUnsupported) as exc:
             row.update(error=str(exc), missing=str(exc))
         except (OSError, TimeoutError, RuntimeError, ValueError) as exc:
@@ -907,6 +917,20 @@ class _Runner:
             "probes": sweep + found.probes,
         }
 
+    def _request_log(self, label: str, g: int) -> dict[str, Any]:
+        """Gateway settings for replica ``g`` of the run ``label``: its request log under
+        ``<out_dir>/requests/`` when ``request_log`` is on (else none)."""
+        if not self.cfg.request_log:
+            return {}
+        if g == 0:
+            self._logs += 1
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
+        path = Path(self.cfg.out_dir) / "requests" / f"{self._logs:02d}-{name}.g{g}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)  # a run's own records only
+        self._log_paths.append(str(path))
+        return {"request_log": {"path": str(path)}}
+
     def _run_one(
         self, system: str, items: list[WorkItem], warmup: float, duration: float, label: str
     ) -> dict[str, Any]:
@@ -944,10 +968,11 @@ class _Runner:
             stack.config.policy = policy or "ttft"
             stack.config.policy_params = {} if policy else dict(cfg.policy_params)
             for g in range(cfg.replicas):
+                logged = self._request_log(label, g)
                 if g < len(stack.gateways):
-                    stack.restart_gateway(g)
+                    stack.restart_gateway(g, **logged)
                 else:
-                    stack.start_gateway(g)
+                    stack.start_gateway(g, **logged)
             stack.wait_ready()
             urls = stack.gateway_urls[: cfg.replicas]
             _reset_workers(stack)

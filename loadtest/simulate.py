@@ -52,11 +52,13 @@ from loadtest.clustersim import (
     CapacityProbe,
     CapacityResult,
     ClusterConfig,
+    RequestTable,
     SimResult,
     estimate_capacity,
     pooled_bound,
     retime,
     simulate,
+    summarize,
 )
 from loadtest.replay import CapturedLog, agreement, read_log
 from loadtest.report import format_table
@@ -359,6 +361,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cl.add_argument("--keys", default="auto", choices=["auto", "exact", "fingerprint"])
     cl.add_argument("--seed", type=int, default=0)
     cl.add_argument("--slo-ms", type=float, default=2000.0, help="TTFT SLO for goodput")
+    cl.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="requests arriving in the first SECONDS are served but not counted (a live "
+        "comparison's window: its warmup_s, with --from-log of that run)",
+    )
     out = p.add_argument_group("extras and output")
     out.add_argument("--bound", action="store_true", help="also compute the pooled-cache bound")
     out.add_argument("--capacity", action="store_true", help="estimate the cluster's capacity")
@@ -494,9 +504,32 @@ def _config(args: argparse.Namespace, policy: str, replicas: int = 1) -> Cluster
 
 
 def _simulate(
-    stream: _Stream, rate: float | None, cfg: ClusterConfig, progress: Callable[[int], None]
+    stream: _Stream,
+    rate: float | None,
+    cfg: ClusterConfig,
+    warmup: float,
+    progress: Callable[[int], None],
 ) -> SimResult:
-    return simulate(stream.at(rate), cfg, progress)
+    return measured_from(simulate(stream.at(rate), cfg, progress), warmup)
+
+
+def measured_from(res: SimResult, warmup: float) -> SimResult:
+    """``res`` counting only the requests that arrived at or after ``warmup`` seconds (the
+    earlier ones were served and loaded the cluster, as a live run's warm-up does)."""
+    if warmup <= 0:
+        return res
+    t = res.table
+    keep = np.frombuffer(t.arrival, dtype=np.float64) >= warmup
+    cols = {}
+    for f in dataclasses.fields(t):
+        col = getattr(t, f.name)
+        cols[f.name] = array(col.typecode, np.frombuffer(col, dtype=col.typecode)[keep].tobytes())
+    table = RequestTable(**cols)
+    duration = max(0.0, res.duration - warmup)
+    summary = summarize(
+        table, res.config.worker_names(), duration, res.config.slo_ttft_ms, res.failed
+    )
+    return dataclasses.replace(res, summary=summary, table=table, duration=duration)
 
 
 def _timed(
@@ -578,7 +611,8 @@ def run(args: argparse.Namespace) -> int:
             cfg = _config(args, policy, n)
             first = first or cfg
             label = policy if len(counts) == 1 else f"{policy} x{n}"
-            res, wall = _timed(label, total, quiet, partial(_simulate, stream, args.rate, cfg))
+            run = partial(_simulate, stream, args.rate, cfg, args.warmup)
+            res, wall = _timed(label, total, quiet, run)
             entry = {"policy": policy, "replicas": n, "wall_s": round(wall, 2), **res.to_json()}
             row = _row(f"kvroute-{label}", res, wall)
             if len(counts) > 1:
@@ -599,7 +633,9 @@ def run(args: argparse.Namespace) -> int:
             "bound",
             total,
             quiet,
-            lambda pr: pooled_bound(stream.unrestricted(args.rate), first, pr),
+            lambda pr: measured_from(
+                pooled_bound(stream.unrestricted(args.rate), first, pr), args.warmup
+            ),
         )
         report["bound_hit_rate"] = res.hit_rate
         report["bound"] = {"wall_s": round(wall, 2), **res.to_json()}

@@ -32,6 +32,7 @@ from loadtest.compare import (
     window_bound,
     write_trace_window,
 )
+from loadtest.replay import read_log
 from loadtest.stack import Stack, StackConfig
 from loadtest.workloads import make_workload
 
@@ -508,11 +509,20 @@ def test_gateway_replicas_behind_a_round_robin_front(tmp_path: Path) -> None:
         params=params,
         mode="chat",
         replicas=2,
+        request_log=True,
     )
     report = run_compare(cfg)
     rows = {r["system"]: r for r in report["results"]}
     for r in rows.values():
         assert "error" not in r and r["failed"] == 0 and r["requests"] > 10, r
+    # each kvroute replica wrote its run's request log; the replay merges the two
+    assert "request_logs" not in rows["smg-cache_aware"]
+    for name in ("kvroute", "kvroute-round_robin"):
+        paths = rows[name]["request_logs"]
+        assert [Path(p).name[-9:] for p in paths] == [".g0.jsonl", ".g1.jsonl"]
+        log = read_log(paths)
+        # warm-up and window, every one served by a worker that was a candidate
+        assert len(log) >= rows[name]["requests"] and log.stats.records == len(log)
         # the front alternates: the two shares differ by at most one request
         assert len(r["per_replica"]) == 2 and sum(r["per_replica"]) == r["requests"], r
         assert abs(r["per_replica"][0] - r["per_replica"][1]) <= 1, r

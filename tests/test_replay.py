@@ -124,6 +124,17 @@ def test_a_follow_up_turn_reuses_the_answer_its_predecessor_generated(tmp_path: 
     res = run_sim(log.arrivals(0.05), ClusterConfig(names=["w-a"], policy="round_robin"))
     cached = dict(zip(res.table.index, res.table.cached_tokens, strict=True))
     assert cached == {0: 0, 1: 64}
+    # --warmup 10: turn 1 (at 0 s) is served, not counted
+    window = simulate.measured_from(res, 10.0)
+    assert list(window.table.index) == [1] and window.summary["requests"] == 1
+    assert window.summary["hit_rate"] == round(64 / 90, 4)
+    out = tmp_path / "window.json"
+    args = sim_args("--from-log", str(path), "--rate", "0.05", "--policy", "round_robin",
+                    "--warmup", "10", "--bound", "--out", str(out))  # fmt: skip
+    assert simulate.run(args) == 0
+    report = json.loads(out.read_text())
+    assert report["results"][0]["summary"]["requests"] == 1
+    assert report["bound"]["summary"]["requests"] == 1
 
 
 def test_bad_lines_name_file_and_line_and_a_truncated_tail_is_skipped(tmp_path: Path) -> None:
