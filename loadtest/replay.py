@@ -19,9 +19,11 @@ session, or, without a session key, the first such request when the chain's last
 nobody's before (a prompt that ends inside a shared prefix has no successor of its own).
 A request with a successor is replayed with the successor's tokens as its partial last block
 and as what it generates, so its engine caches exactly the blocks the successor will look
-up. What a replay still cannot reproduce: an answer the client changed before sending it
-back (the replay assumes it came back as generated), and retried attempts (only the attempt
-that served is logged).
+up. A log whose follow-ups carried replies the engine did not write (a load generator's
+scripted conversations, as ``kvroute loadtest compare`` sends) is replayed with
+``answers="scripted"``: no successors, the engine's own tokens. What a replay still cannot
+reproduce: an answer the client changed before sending it back, and retried attempts (only
+the attempt that served is logged).
 
 Bad input: a last line without its newline (a writer stopped mid-line) is skipped and
 counted; any other line that is not a record is an error naming the file and line, unless
@@ -34,7 +36,7 @@ import glob
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -43,6 +45,8 @@ from gateway.request_log import VERSION, LogRecord
 from loadtest.clustersim import TOKEN_BYTES, Arrival, SimResult
 
 __all__ = [
+    "ANSWERS",
+    "Answers",
     "CapturedLog",
     "LogFormatError",
     "agreement",
@@ -55,6 +59,11 @@ _W31 = np.uint64(0x7FFFFFFF)
 _FILLERS = 2**31 - 4
 #: a session's requests still waiting for the turn that sends their answer back
 _WAITING = 4
+
+
+#: where a follow-up turn's copy of the previous answer came from (``CapturedLog.arrivals``)
+Answers = Literal["returned", "scripted"]
+ANSWERS: tuple[Answers, ...] = ("returned", "scripted")
 
 
 class LogFormatError(ValueError):
@@ -108,13 +117,24 @@ class CapturedLog:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def arrivals(self, rate: float | None = None, *, candidates: bool = True) -> Iterator[Arrival]:
+    def arrivals(
+        self,
+        rate: float | None = None,
+        *,
+        candidates: bool = True,
+        answers: Answers = "returned",
+    ) -> Iterator[Arrival]:
         """The requests as arrivals from time 0, built lazily (prompts can be large).
 
         ``rate``: scale the gaps so the stream runs at ``rate`` req/s (a what-if load);
         ``candidates``: restrict each request to its logged workers (False for the pooled
-        bound's single worker).
+        bound's single worker); ``answers``: "returned", a follow-up turn sent back what the
+        engine generated (chat clients do), or "scripted", it carried a reply the engine did
+        not write (a load generator's scripted conversation: ``kvroute loadtest compare``'s)
+        and the engine generates tokens of its own.
         """
+        if answers not in ANSWERS:
+            raise ValueError(f"answers must be one of {ANSWERS}, got {answers!r}")
         rows = self.rows
         if not rows:
             return
@@ -124,7 +144,7 @@ class CapturedLog:
         if rate and len(rows) > 1 and span > 0:
             factor = (len(rows) - 1) / span / rate
         bs = self.block_size
-        after = successors(rows)
+        after = successors(rows) if answers == "returned" else [-1] * len(rows)
         for i, r in enumerate(rows):
             j = after[i]
             output = None

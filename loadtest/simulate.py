@@ -60,7 +60,7 @@ from loadtest.clustersim import (
     simulate,
     summarize,
 )
-from loadtest.replay import CapturedLog, agreement, read_log
+from loadtest.replay import ANSWERS, CapturedLog, agreement, read_log
 from loadtest.report import format_table
 from loadtest.workloads import WorkItem, make_workload, tokenize_segments, write_synthetic_trace
 
@@ -315,6 +315,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--from-log", nargs="+", metavar="PATH",
                      help="gateway request log files or globs (request_log.path) to replay")  # fmt: skip
     src.add_argument("--pool", help="--from-log: the pool to replay (when the log has several)")
+    src.add_argument(
+        "--answers",
+        choices=ANSWERS,
+        default="returned",
+        help="--from-log: a follow-up turn sent back the answer the engine generated "
+        "(returned: chat clients; its decoded blocks are reused) or a reply the engine did "
+        "not write (scripted: a load generator's, e.g. kvroute loadtest compare's)",
+    )
     src.add_argument("--skip-bad", action="store_true",
                      help="--from-log: skip and count malformed lines instead of failing")  # fmt: skip
     src.add_argument("--workload", choices=["chat", "agent", "shared_prefix"])
@@ -431,6 +439,7 @@ class _Stream:
                 "block_size": self.log.block_size,
                 "workers": self.log.names,
                 "captured_policies": self.log.policies,
+                "answers": a.answers,
                 **dataclasses.asdict(self.log.stats),
             }
         if self.trace:
@@ -453,7 +462,7 @@ class _Stream:
         """The stream at ``rate`` req/s (None: as given, with --speed for traces)."""
         a = self.args
         if self.log is not None:
-            return self.log.arrivals(rate)
+            return self.log.arrivals(rate, answers=a.answers)
         if self._list is not None:
             return retime(self._list, rate) if rate else list(self._list)
         speed = a.speed if not rate else rate / self.info().rate
@@ -465,7 +474,7 @@ class _Stream:
     def unrestricted(self, rate: float | None) -> Iterable[Arrival]:
         """The stream without per-request candidate sets (the pooled bound's one worker)."""
         if self.log is not None:
-            return self.log.arrivals(rate, candidates=False)
+            return self.log.arrivals(rate, candidates=False, answers=self.args.answers)
         return self.at(rate)
 
 

@@ -124,6 +124,11 @@ def test_a_follow_up_turn_reuses_the_answer_its_predecessor_generated(tmp_path: 
     res = run_sim(log.arrivals(0.05), ClusterConfig(names=["w-a"], policy="round_robin"))
     cached = dict(zip(res.table.index, res.table.cached_tokens, strict=True))
     assert cached == {0: 0, 1: 64}
+    # a scripted reply (the engine did not write it): the engine's own tokens, 32 cached
+    own = run_sim(log.arrivals(0.05, answers="scripted"), ClusterConfig(names=["w-a"]))
+    assert list(own.table.cached_tokens) == [0, 32]
+    with pytest.raises(ValueError, match="answers must be one of"):
+        next(log.arrivals(answers="made-up"))  # type: ignore[arg-type]
     # --warmup 10: turn 1 (at 0 s) is served, not counted
     window = simulate.measured_from(res, 10.0)
     assert list(window.table.index) == [1] and window.summary["requests"] == 1
