@@ -142,6 +142,38 @@ def test_a_follow_up_turn_reuses_the_answer_its_predecessor_generated(tmp_path: 
     assert report["bound"]["summary"]["requests"] == 1
 
 
+def test_draws_rerun_a_policy_with_the_next_seeds_random_streams(tmp_path: Path) -> None:
+    """--draws 3: draw 0 is the --seed run, draw d the run with --seed + d (same requests);
+    the table shows the means."""
+    path = tmp_path / "r.jsonl"
+    write_log(path, [([7, 10 + i % 4], 40, ("w-a", "w-b")[i % 2]) for i in range(40)])
+
+    def report(*extra: str) -> dict[str, Any]:
+        out = tmp_path / "out.json"
+        args = sim_args("--from-log", str(path), "--policy", "random", "--rate", "2",
+                        "--out", str(out), *extra)  # fmt: skip
+        assert simulate.run(args) == 0
+        entry: dict[str, Any] = json.loads(out.read_text())["results"][0]
+        return entry
+
+    drawn = report("--seed", "5", "--draws", "3")
+    over = drawn["over_draws"]
+    assert over["draws"] == 3 and len(over["per_draw"]) == 3
+    for d in range(3):
+        alone = report("--seed", str(5 + d))["summary"]
+        assert over["per_draw"][d] == {k: alone[k] for k in over["per_draw"][d]}
+    spread = [x["max_mean_requests"] for x in over["per_draw"]]
+    assert len(set(spread)) > 1  # random placements: the draws differ
+    assert over["max_mean_requests"]["mean"] == round(sum(spread) / 3, 4)
+    assert (over["max_mean_requests"]["min"], over["max_mean_requests"]["max"]) == (
+        min(spread),
+        max(spread),
+    )
+    assert drawn["summary"]["max_mean_requests"] == spread[0]
+    with pytest.raises(SystemExit, match="--draws must be at least 1"):
+        report("--draws", "0")
+
+
 def test_bad_lines_name_file_and_line_and_a_truncated_tail_is_skipped(tmp_path: Path) -> None:
     path = tmp_path / "r.jsonl"
     write_log(path, [([1, 2], 40, "w-a"), ([1, 3], 40, "w-b")])
