@@ -170,52 +170,50 @@ class CapturedLog:
 def successors(rows: Sequence[_Row]) -> list[int]:
     """For each request, the index of the request that sent its answer back, or -1 (see
     the module docstring). Key chains are hash chains: a later chain holding this request's
-    last full-block key holds its whole prefix, at the same position."""
+    last full-block key holds its whole prefix, at the same position.
+
+    One pass in time order, in memory proportional to the requests, not to their keys (a
+    production log holds hundreds of keys per request): only keys that end some sessionless
+    request's chain are looked at, found per request by one vectorised search."""
     out = [-1] * len(rows)
     by_session: dict[str, list[int]] = {}  # requests of a session still waiting, oldest first
     by_key: dict[int, list[int]] = {}  # sessionless requests waiting, by their last key
-    new = _new_last_keys(rows)
+    ends = np.unique(
+        np.array([r.keys[-1] for r in rows if r.session is None and len(r.keys)], dtype=np.uint64)
+    )
+    seen: set[int] = set()  # of those keys, the ones some request so far held
     for j, r in enumerate(rows):
-        n = len(r.keys)
+        keys = r.keys
+        n = len(keys)
+        if n == 0:
+            continue
         if r.session is not None:
             waiting = by_session.setdefault(r.session, [])
             for i in list(waiting):
                 m = len(rows[i].keys)
-                if m < n and int(r.keys[m - 1]) == int(rows[i].keys[m - 1]):
+                if m < n and keys[m - 1] == rows[i].keys[m - 1]:
                     out[i] = j
                     waiting.remove(i)
-        if by_key and n > 1:
-            for k in by_key.keys() & set(r.keys[:-1].tolist()):
-                for i in by_key.pop(k):
-                    out[i] = j
-        if n == 0:
-            continue
-        last = int(r.keys[-1])
-        if r.session is not None:
             waiting.append(j)
             if len(waiting) > _WAITING:  # a session that forks or restarts: stay bounded
                 del waiting[0]
-        elif new[j]:
+        if not len(ends):
+            continue
+        pos = np.minimum(np.searchsorted(ends, keys), len(ends) - 1)
+        at = np.flatnonzero(ends[pos] == keys)
+        if not len(at):
+            continue
+        held = keys[at].tolist()
+        if by_key:
+            for p, k in zip(at.tolist(), held, strict=True):
+                if p < n - 1 and k in by_key:  # j's chain goes on past that request's end
+                    for i in by_key.pop(k):
+                        out[i] = j
+        last = int(keys[-1])
+        if r.session is None and last not in seen:  # a chain end nobody held before
             by_key.setdefault(last, []).append(j)
+        seen.update(held)
     return out
-
-
-def _new_last_keys(rows: Sequence[_Row]) -> np.ndarray:
-    """Per request: its chain's last key appears in no earlier request's chain (only asked
-    for requests without a session, so computed only when there are some)."""
-    flags = np.zeros(len(rows), dtype=bool)
-    if all(r.session is not None for r in rows):
-        return flags
-    sizes = np.fromiter((len(r.keys) for r in rows), dtype=np.int64, count=len(rows))
-    if not sizes.sum():
-        return flags
-    keys = np.concatenate([r.keys for r in rows])
-    owner = np.repeat(np.arange(len(rows)), sizes)
-    uniq, first = np.unique(keys, return_index=True)  # first occurrence, rows in time order
-    last = np.array([r.keys[-1] if len(r.keys) else 0 for r in rows], dtype=np.uint64)
-    pos = np.searchsorted(uniq, last)
-    flags[:] = (sizes > 0) & (owner[first[pos]] == np.arange(len(rows)))
-    return flags
 
 
 def block_tokens(keys: np.ndarray, prompt_tokens: int, block_size: int, uniq: int) -> bytes:
