@@ -101,6 +101,14 @@ class CapturedLog:
     block_size: int
     rows: list[_Row]
     stats: LogStats
+    _successors: list[int] | None = field(default=None, init=False, repr=False)
+
+    def successors(self) -> list[int]:
+        """``successors(self.rows)``, computed once (every policy, draw and bound replays
+        the same log)."""
+        if self._successors is None:
+            self._successors = successors(self.rows)
+        return self._successors
 
     @property
     def names(self) -> list[str]:
@@ -144,7 +152,7 @@ class CapturedLog:
         if rate and len(rows) > 1 and span > 0:
             factor = (len(rows) - 1) / span / rate
         bs = self.block_size
-        after = successors(rows) if answers == "returned" else [-1] * len(rows)
+        after = self.successors() if answers == "returned" else [-1] * len(rows)
         for i, r in enumerate(rows):
             j = after[i]
             output = None

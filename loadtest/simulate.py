@@ -533,7 +533,8 @@ def _simulate(
 
 def measured_from(res: SimResult, warmup: float) -> SimResult:
     """``res`` counting only the requests that arrived at or after ``warmup`` seconds (the
-    earlier ones were served and loaded the cluster, as a live run's warm-up does)."""
+    earlier ones were served and loaded the cluster, as a live run's warm-up does). Failed
+    requests carry no arrival time: the whole run's are kept."""
     if warmup <= 0:
         return res
     t = res.table

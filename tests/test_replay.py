@@ -213,28 +213,41 @@ def test_round_robin_replays_to_the_logged_decisions(tmp_path: Path) -> None:
     assert simulated_decisions(res, len(log)) == [r.worker for r in log.rows]
 
 
-def _complete(url: str, prompt: str) -> dict[str, object]:
-    body = json.dumps({"model": "sim-model", "prompt": prompt, "max_tokens": 4}).encode()
-    req = urllib.request.Request(
-        url + "/v1/completions", data=body, headers={"content-type": "application/json"}
-    )
+def _post(url: str, path: str, body: dict[str, Any], session: str | None = None) -> Any:
+    headers = {"content-type": "application/json"}
+    if session is not None:
+        headers["x-session-id"] = session
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers=headers)
     with urllib.request.urlopen(req, timeout=30) as resp:
-        out: dict[str, object] = json.loads(resp.read())
-        return out
+        return json.loads(resp.read())
 
 
-def test_a_log_captured_live_replays_to_the_same_decisions_and_compares_policies(
-    tmp_path: Path,
-) -> None:
+def _complete(url: str, prompt: str) -> dict[str, Any]:
+    out: dict[str, Any] = _post(
+        url, "/v1/completions", {"model": "sim-model", "prompt": prompt, "max_tokens": 4}
+    )
+    return out
+
+
+def _logged_stack(tmp_path: Path, workers: int) -> tuple[StackConfig, Path]:
+    """Sim workers under the seeded ``prefix`` policy, the gateway writing its request log."""
     log_path = tmp_path / "requests.jsonl"
     cfg = StackConfig(
-        workers=3,
+        workers=workers,
         speedup=20,
         policy="prefix",
         pool_settings={"seed": 7},
         gateway_settings={"request_log": {"path": str(log_path)}},
         log_dir=tmp_path / "stack",
     )
+    return cfg, log_path
+
+
+def test_a_log_captured_live_replays_to_the_same_decisions_and_compares_policies(
+    tmp_path: Path,
+) -> None:
+    cfg, log_path = _logged_stack(tmp_path, 3)
     rng = random.Random(3)
     prefixes = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(4)]
     sent = 24
@@ -270,27 +283,16 @@ def test_a_log_captured_live_replays_to_the_same_decisions_and_compares_policies
 
 
 def _chat(url: str, session: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    body = json.dumps({"model": "sim-model", "messages": messages, "max_tokens": 40}).encode()
-    headers = {"content-type": "application/json", "x-session-id": session}
-    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers=headers)
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        out: dict[str, Any] = json.loads(resp.read())
-        return out
+    body = {"model": "sim-model", "messages": messages, "max_tokens": 40}
+    out: dict[str, Any] = _post(url, "/v1/chat/completions", body, session)
+    return out
 
 
 def test_a_chat_captured_live_replays_with_the_cache_hits_of_its_answers(tmp_path: Path) -> None:
     """Multi-turn chats, each turn sending the previous answer back: live, the engine
     reuses the blocks it wrote while decoding that answer. The replay (same policy, seed and
     engine speed) must find the same cached tokens for every request, answers included."""
-    log_path = tmp_path / "requests.jsonl"
-    cfg = StackConfig(
-        workers=2,
-        speedup=20,
-        policy="prefix",
-        pool_settings={"seed": 7},
-        gateway_settings={"request_log": {"path": str(log_path)}},
-        log_dir=tmp_path / "stack",
-    )
+    cfg, log_path = _logged_stack(tmp_path, 2)
     rng = random.Random(5)
     systems = [" ".join(rng.choice(WORDS) for _ in range(60)) for _ in range(2)]
     chats = {f"c{i}": [{"role": "system", "content": systems[i % 2]}] for i in range(4)}
