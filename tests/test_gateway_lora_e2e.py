@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -116,15 +117,35 @@ def test_an_adapter_no_worker_has_is_an_openai_404(stack: Stack) -> None:
 
 
 def test_equal_caches_prefer_the_worker_with_the_adapter_loaded(stack: Stack) -> None:
-    """Fresh prompts (no cache anywhere): every "chat" request after the first goes where
-    "chat" was loaded, rather than paying an adapter load elsewhere."""
-    workers = [complete(stack, "chat", prompt(100 + i, 40))[0] for i in range(6)]
+    """Fresh prompts (no cache anywhere) on an idle cluster: every "chat" request after the
+    first goes where the first loaded "chat", rather than paying an adapter load elsewhere.
+
+    Each request waits until the gateway has every worker's load report from after the
+    previous one ended: a report scraped while a request ran shows its worker busy for one
+    report period, which rightly sends the next request elsewhere (not what this tests)."""
+    workers = []
+    for i in range(6):
+        workers.append(complete(stack, "chat", prompt(100 + i, 40))[0])
+        ended = time.time()
+        assert wait_for(lambda t=ended: idle_since(stack, t), 10.0) is not None
     assert len(set(workers)) == 1, workers
     status, listing = get_json(stack.gateway_urls[0] + "/workers", ADMIN_KEY)
     assert status == 200
     shown = {w["worker_id"]: w for w in listing["workers"]}
     assert shown[workers[0]]["adapters"] == ["chat", "sql"]
     assert "chat" in shown[workers[0]]["adapters_loaded"]
+
+
+def idle_since(stack: Stack, ended: float) -> bool:
+    """Every worker idle in the gateway's view, by engine reports taken after ``ended``."""
+    _, listing = get_json(stack.gateway_urls[0] + "/workers", ADMIN_KEY)
+    return all(
+        w["inflight"] == 0
+        and (rep := w["engine_report"]) is not None
+        and rep["ts"] > ended
+        and rep["running"] == rep["waiting"] == 0
+        for w in listing["workers"]
+    )
 
 
 def get_json(url: str, token: str) -> tuple[int, Any]:
