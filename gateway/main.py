@@ -188,7 +188,7 @@ async def serve(
         for sock in metrics_socks:
             await web.SockSite(metrics_runner, sock).start()
     if freeze_heap:
-        _freeze_startup_heap()
+        _freeze_startup_heap(cfg.server.gc_young_threshold)
     done = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
@@ -213,16 +213,19 @@ async def serve(
             await metrics_runner.cleanup()
 
 
-def _freeze_startup_heap() -> None:
+def _freeze_startup_heap(young_threshold: int = 0) -> None:
     """Take what start-up built (tokenizer tables, compiled templates, the app) out of the
-    cyclic collector's view.
+    cyclic collector's view, and set its young threshold for serving (0: leave Python's).
 
     Those objects live as long as the process; left in the oldest generation, every full
     collection walks them again (a 45-49 ms pause of the event loop on ``bench gateway``'s
     8,000-token chats, 8.5 ms after: docs/benchmarks.md, "Pauses of the event loop").
-    Collected first, so no start-up garbage is kept; later objects are collected as usual."""
+    Collected first, so no start-up garbage is kept; later objects are collected as usual,
+    less often (``server.gc_young_threshold``)."""
     gc.collect()
     gc.freeze()
+    if young_threshold:
+        gc.set_threshold(young_threshold, *gc.get_threshold()[1:])
 
 
 def listen(host: str, port: int, reuse_port: bool, backlog: int = 1024) -> list[socket.socket]:

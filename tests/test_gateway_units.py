@@ -416,3 +416,31 @@ def test_pool_says_when_its_tokenizer_encodes_whole(
             assert messages == [
                 "pool m: completions are encoded whole (pre-tokenizer Metaspace is not known to be local)"
             ]
+
+
+def test_the_gateway_serves_with_its_own_young_collector_threshold() -> None:
+    """``server.gc_young_threshold``: set once start-up's heap is frozen (0 leaves Python's
+    threshold), the older generations' thresholds kept; a negative one is refused."""
+    import gc
+
+    from gateway.config import ConfigError, GatewayConfig, PoolSettings, RedisSettings
+    from gateway.main import _freeze_startup_heap
+    from gateway.tokenization import bundled_test_tokenizer
+
+    assert GatewayConfig().server.gc_young_threshold == 10_000
+    before = gc.get_threshold()
+    try:
+        _freeze_startup_heap(12_345)
+        assert gc.get_threshold() == (12_345, *before[1:])
+        assert gc.get_freeze_count() > 0
+        _freeze_startup_heap(0)
+        assert gc.get_threshold() == (12_345, *before[1:])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+    pools = [PoolSettings("m", str(bundled_test_tokenizer()))]
+    cfg = GatewayConfig(pools=pools, redis=RedisSettings("redis://127.0.0.1:9"))
+    cfg.validate()
+    cfg.server.gc_young_threshold = -1
+    with pytest.raises(ConfigError, match=r"server\.gc_young_threshold: must be >= 0"):
+        cfg.validate()

@@ -12,7 +12,10 @@ many objects it walks (every tracked object not frozen) and how many are frozen.
 ``KVROUTE_GC_GATEWAY_THRESHOLD=N[,N1,N2]`` (with or without the log) also sets the collector's
 thresholds (``gc.set_threshold``) in the gateway's own processes only, for an A/B of the
 young-generation threshold against Python's default (700, 10, 10): docs/benchmarks.md, "Where
-a routed request's CPU goes".
+a routed request's CPU goes". The gateway sets its own young threshold once started
+(``server.gc_young_threshold``, default 10,000), which replaces this one's unless set to 0; an
+A/B of the young threshold alone is ``KVROUTE_SERVER__GC_YOUNG_THRESHOLD=700`` against
+``=10000``.
 """
 
 from __future__ import annotations
