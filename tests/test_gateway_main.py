@@ -144,13 +144,14 @@ def test_the_gateways_process_freezes_its_start_up_heap(
 ) -> None:
     """``serve(freeze_heap=True)`` (the gateway's own process) takes what start-up built (the
     tokenizer's tables, the app) out of the cyclic collector's view once it can answer, so a
-    full collection walks only what serving created."""
+    full collection walks only what serving created, and serves with the collector's young
+    threshold of its settings (``server.gc_young_threshold``)."""
     port = free_port()
     file = tmp_path / "gw.yaml"
     file.write_text(
         yaml.safe_dump(
             {
-                "server": {"port": port},
+                "server": {"port": port, "gc_young_threshold": 4321},
                 "redis": {"url": redis_server.url},
                 "pools": [{"model": "m", "tokenizer": str(bundled_test_tokenizer())}],
             }
@@ -159,7 +160,7 @@ def test_the_gateways_process_freezes_its_start_up_heap(
     cfg = load_config(GatewayConfig, file=file)
     cfg.validate()
 
-    async def main() -> int:
+    async def main() -> tuple[int, tuple[int, ...]]:
         stop = asyncio.Event()
         served = asyncio.create_task(serve(cfg, stop=stop, freeze_heap=True))
         try:
@@ -172,15 +173,18 @@ def test_the_gateways_process_freezes_its_start_up_heap(
                     await asyncio.sleep(0.05)
                     continue
                 writer.close()
-                return gc.get_freeze_count()
+                return gc.get_freeze_count(), gc.get_threshold()
             raise AssertionError("the gateway never opened its port")
         finally:
             stop.set()
             await served
 
     assert gc.get_freeze_count() == 0
+    before = gc.get_threshold()
     try:
-        frozen = asyncio.run(main())
+        frozen, threshold = asyncio.run(main())
         assert frozen > 10_000  # the app, the tokenizer's templates and tables: tens of thousands
+        assert threshold == (4321, *before[1:])
     finally:
         gc.unfreeze()
+        gc.set_threshold(*before)  # the test process's own collector, as it was
