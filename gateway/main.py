@@ -213,7 +213,7 @@ async def serve(
             await metrics_runner.cleanup()
 
 
-def _freeze_startup_heap(young_threshold: int = 0) -> None:
+def _freeze_startup_heap(young_threshold: int) -> None:
     """Take what start-up built (tokenizer tables, compiled templates, the app) out of the
     cyclic collector's view, and set its young threshold for serving (0: leave Python's).
 

@@ -432,7 +432,6 @@ def test_the_gateway_serves_with_its_own_young_collector_threshold() -> None:
     try:
         _freeze_startup_heap(12_345)
         assert gc.get_threshold() == (12_345, *before[1:])
-        assert gc.get_freeze_count() > 0
         _freeze_startup_heap(0)
         assert gc.get_threshold() == (12_345, *before[1:])
     finally:
