@@ -235,8 +235,10 @@ class ConsumerStats:
     apply: ApplyStats = field(default_factory=ApplyStats)
 
 
-#: listener(kind, worker) with kind in "added", "removed", "updated", "report", and
-#: "mismatch" / "resync" (anti-entropy found the worker's index wrong / healed it).
+#: listener(kind, worker) with kind in "added", "removed", "updated", "report",
+#: "mismatch" / "resync" (anti-entropy found the worker's index wrong / healed it), and
+#: "gap" / "healed" (entries are missing from the worker's stream / a snapshot or a new
+#: epoch closed the gap): the trust verdicts change with these at once, not a tick later.
 Listener = Callable[[str, str], None]
 EntryHook = Callable[[str, Entry, float], None]
 
@@ -385,6 +387,7 @@ class Consumer:
                         break
                 elif result in (Applied.GAP, Applied.CORRUPT):
                     self._pending.add(r.worker)
+                    self._emit("gap", r.worker)
                     break
         return True
 
@@ -418,6 +421,7 @@ class Consumer:
             if cur is not None and not cur.waiting:  # a new epoch from seq 1 closed the gap
                 self._pending.discard(worker)
                 self.antientropy.forget(worker)
+                self._emit("healed", worker)
                 continue
             if self._retry_at.get(worker, 0.0) > now:
                 continue
@@ -436,6 +440,8 @@ class Consumer:
                 self.stats.resyncs += 1
             if self.antientropy.healed(worker):
                 self._emit("resync", worker)
+            elif not fresh:
+                self._emit("healed", worker)
             self._pending.discard(worker)
             self._retry_at.pop(worker, None)
             return

@@ -234,6 +234,9 @@ class Gateway:
             c.labels(entry.pool.name if entry is not None else "", worker).inc()
             self._update_trust(self.clock())  # at once: requests routed now must know
             return
+        if kind in ("gap", "healed"):
+            self._update_trust(self.clock())  # likewise: no tick of routing on a stale verdict
+            return
         if kind == "report":
             rep = self.consumer.report(worker)
             entry = self.registry.workers.get(worker)

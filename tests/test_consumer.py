@@ -230,6 +230,49 @@ async def test_consumer_behind_a_trim_rebootstraps() -> None:
         assert c.stats.resyncs == 1 and c.stats.apply.gaps == 1
 
 
+async def test_the_gateways_trust_follows_a_stream_gap_at_the_event_not_at_a_tick() -> None:
+    """The gap's opening and its heal change the worker's trust verdict when the consumer
+    sees them: between the two, routing must not believe the stale entries, and after the
+    heal it must not ignore the healed ones (a request routed then, by load alone, predicted
+    nothing on a worker that held its prefix). The gateway's tick is not running here, so
+    only the events can have changed the verdicts each listener call observes."""
+    from gateway.config import GatewayConfig, PoolSettings, RedisSettings
+    from gateway.server import Gateway
+    from gateway.tokenization import bundled_test_tokenizer
+
+    bus = PartitionedBus()
+    pools = [PoolSettings("m", str(bundled_test_tokenizer()), chat_template="deepseek-v3")]
+    cfg = GatewayConfig(pools=pools, redis=RedisSettings("redis://127.0.0.1:9"))
+    cfg.index.verify_engine_tokenizer = False
+    cfg.validate()
+    gw = Gateway(cfg, bus=bus)
+    c = gw.consumer
+    assert c is not None
+    c.config = fast()
+    seen: list[tuple[str, dict[str, str]]] = []
+    c.subscribe(gw._on_bus_change)
+    c.subscribe(lambda kind, worker: seen.append((kind, dict(gw.registry.trust.why))))
+    w = Writer("w", seed=3)
+    await w.publish(bus, [w.entry([Cleared()])])
+    await bus.register(WorkerInfo("w", "http://x", "m", epoch=1), ttl=60)
+    async with c:
+        await wait_until(lambda: c.applier.cursors.get("w") is not None, 5, "bootstrap")
+        bus.reads_down = True
+        ids = []
+        for _ in range(10):
+            ids += await w.publish(bus, [w.entry(w.random_events())])
+        await bus.write_snapshot("w", w.snapshot())
+        await bus.trim("w", ids[-1])
+        await w.publish(bus, [w.entry(w.random_events())])
+        bus.reads_down = False
+        await wait_until(lambda: ("healed", {}) in seen, 5, "healed")
+        assert c.index.worker_keys("w") == w.mirror.keys()
+    kinds = [k for k, _ in seen if k in ("gap", "healed")]
+    assert kinds == ["gap", "healed"], seen
+    assert ("gap", {"w": "stream_gap"}) in seen, seen
+    assert gw.registry.trust.why == {}
+
+
 async def test_consumer_expires_workers_and_keeps_index_through_outages() -> None:
     clock = Clock()
     bus = MemoryBus(clock=clock)
