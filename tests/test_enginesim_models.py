@@ -299,6 +299,35 @@ def test_gemma3_every_sliding_group_frees_early() -> None:
     assert {h for _, h in removals(decoded)} == set(evs[0]["block_hashes"][:8])
 
 
+def _links(store: dict[str, Any]) -> dict[Any, Any]:
+    """Each hash of a ``BlockStored`` -> its parent's hash."""
+    out, parent = {}, store.get("parent_block_hash")
+    for h in store["block_hashes"]:
+        out[h], parent = parent, h
+    return out
+
+
+def _depth(h: Any, parent_of: dict[Any, Any]) -> int:
+    """The block's depth in its chain (0 at the root)."""
+    d = 0
+    while (h := parent_of.get(h)) is not None:
+        d += 1
+    return d
+
+
+def _outside_window(cached: set[Any], parent_of: dict[Any, Any], keep: int) -> set[Any]:
+    """Cached blocks with a cached descendant ``keep`` or more blocks deeper."""
+    out: set[Any] = set()
+    for h in cached:
+        up = parent_of.get(h) if keep else h
+        for _ in range(max(0, keep - 1)):
+            up = parent_of.get(up) if up is not None else None
+        while up is not None and up not in out:
+            out.add(up)
+            up = parent_of.get(up)
+    return out
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), window=st.integers(1, 20), mamba=st.booleans())
 def test_grouped_events_stay_consistent_under_a_random_workload(
@@ -306,7 +335,11 @@ def test_grouped_events_stay_consistent_under_a_random_workload(
 ) -> None:
     """Driven by the engine core (evictions included): no group removes a hash it does not
     hold, the full group always holds exactly the cached blocks, the early-freeing groups a
-    subset of them, and every store is the same in every group."""
+    subset of them, and every store is the same in every group. At the end, no early-freeing
+    group holds a cached block that lies outside its window on a cached chain: one with a
+    cached descendant ``keep`` or more blocks deeper, ``keep`` being the blocks its window
+    covers (a block is never evicted before its descendants, so it was freed when that
+    descendant's chain was stored and not stored again since)."""
     groups = (
         KvGroup("sliding_window", window),
         KvGroup(),
@@ -323,6 +356,7 @@ def test_grouped_events_stay_consistent_under_a_random_workload(
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, 9) for _ in range(rng.randrange(0, 24))] for _ in range(3)]
     t = 0.0
+    parent_of: dict[Any, Any] = {}  # block hash -> its parent's (None at the root)
 
     def publish(batch: list[KVEvent]) -> None:
         _, decoded, _ = decode_batch(enc.encode(batch, t), "vllm", "map")
@@ -334,6 +368,7 @@ def test_grouped_events_stay_consistent_under_a_random_workload(
                 {k: v for k, v in e.items() if k[:3] not in ("gro", "kv_")} for e in per_group
             ]
             assert all(c == common[0] for c in common)
+            parent_of.update(_links(per_group[1]))
         consumer.apply(decoded)
 
     def check() -> None:
@@ -353,7 +388,15 @@ def test_grouped_events_stay_consistent_under_a_random_workload(
     for res in core.advance(float("inf")):
         publish(res.events)
     check()
-    assert consumer.group(0) < consumer.group(1) or window > 4 * core.cache.cached_blocks
+    full = consumer.group(1)
+    early = [(0, -(-(window - 1) // 4))] + ([(2, 1)] if mamba else [])  # (group, keep)
+    for g, keep in early:
+        outside = _outside_window(full, parent_of, keep)
+        assert not outside & consumer.group(g), (g, keep)
+        deepest = max((_depth(h, parent_of) for h in full), default=-1)
+        assert bool(outside) == (deepest >= keep)  # the check above is not vacuous
+        if outside:
+            assert consumer.group(g) < full
     assert core.reset_prefix_cache()
     publish(core.take_events())
     assert not consumer.by_group
