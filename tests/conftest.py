@@ -35,8 +35,17 @@ if os.environ.get("KVROUTE_PURE_PYTHON") == "1":
     sys.meta_path.insert(0, _SourceFirst())
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 from loadtest.harness import RedisServer  # noqa: E402
+
+# CI (``.ci/run`` sets the profile) runs every property test on the same examples, so a
+# landing is decided by the change, not by the draw; a developer's ``scripts/test`` draws new
+# ones each run, which is where a wrong property shows up (and the failing example is
+# printed to pin with ``@example``).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("KVROUTE_HYPOTHESIS_PROFILE"):
+    settings.load_profile(os.environ["KVROUTE_HYPOTHESIS_PROFILE"])
 
 
 @pytest.fixture
