@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable
 from typing import Any, cast
 
+import pytest
 from agent_helpers import wait_until
 
 from gateway.consumer import Applied, Consumer, ConsumerConfig, StreamApplier
@@ -210,6 +211,21 @@ class PartitionedBus(MemoryBus):
         return await super().read(*args, **kwargs)
 
 
+async def _missed_behind_a_trim(
+    bus: PartitionedBus, w: Writer, missed: int, snapshot: bool = True
+) -> None:
+    """Cut the consumer's reads while ``w`` publishes ``missed`` entries (then a snapshot
+    covering them, unless not), and trim them from the stream: what it missed is gone. The
+    caller turns the reads back on."""
+    bus.reads_down = True
+    ids = []
+    for _ in range(missed):
+        ids += await w.publish(bus, [w.entry(w.random_events())])
+    if snapshot:
+        await bus.write_snapshot(w.worker, w.snapshot())
+    await bus.trim(w.worker, ids[-1])
+
+
 async def test_consumer_behind_a_trim_rebootstraps() -> None:
     bus = PartitionedBus()
     w = Writer("w", seed=1)
@@ -217,12 +233,7 @@ async def test_consumer_behind_a_trim_rebootstraps() -> None:
     await bus.register(WorkerInfo("w", "http://x", "m", epoch=1), ttl=60)
     async with Consumer(bus, config=fast()) as c:
         await wait_until(lambda: c.applier.cursors.get("w") is not None, 5, "bootstrap")
-        bus.reads_down = True
-        ids = []
-        for _ in range(20):
-            ids += await w.publish(bus, [w.entry(w.random_events())])
-        await bus.write_snapshot("w", w.snapshot())
-        await bus.trim("w", ids[-1])  # the entries the consumer missed are gone
+        await _missed_behind_a_trim(bus, w, 20)
         for _ in range(5):
             await w.publish(bus, [w.entry(w.random_events())])
         bus.reads_down = False
@@ -230,12 +241,16 @@ async def test_consumer_behind_a_trim_rebootstraps() -> None:
         assert c.stats.resyncs == 1 and c.stats.apply.gaps == 1
 
 
-async def test_the_gateways_trust_follows_a_stream_gap_at_the_event_not_at_a_tick() -> None:
-    """The gap's opening and its heal change the worker's trust verdict when the consumer
-    sees them: between the two, routing must not believe the stale entries, and after the
-    heal it must not ignore the healed ones (a request routed then, by load alone, predicted
-    nothing on a worker that held its prefix). The gateway's tick is not running here, so
-    only the events can have changed the verdicts each listener call observes."""
+@pytest.mark.parametrize("heal", ["snapshot", "new_epoch"])
+async def test_the_gateways_trust_follows_a_stream_gap_at_the_event_not_at_a_tick(
+    heal: str,
+) -> None:
+    """The gap's opening and its heal (by a covering snapshot, or by the agent's next run
+    starting a new epoch) change the worker's trust verdict when the consumer sees them:
+    between the two, routing must not believe the stale entries, and after the heal it must
+    not ignore the healed ones (a request routed then, by load alone, predicted nothing on a
+    worker that held its prefix). The gateway's tick is not running here, so only the events
+    can have changed the verdicts each listener call observes."""
     from gateway.config import GatewayConfig, PoolSettings, RedisSettings
     from gateway.server import Gateway
     from gateway.tokenization import bundled_test_tokenizer
@@ -257,12 +272,10 @@ async def test_the_gateways_trust_follows_a_stream_gap_at_the_event_not_at_a_tic
     await bus.register(WorkerInfo("w", "http://x", "m", epoch=1), ttl=60)
     async with c:
         await wait_until(lambda: c.applier.cursors.get("w") is not None, 5, "bootstrap")
-        bus.reads_down = True
-        ids = []
-        for _ in range(10):
-            ids += await w.publish(bus, [w.entry(w.random_events())])
-        await bus.write_snapshot("w", w.snapshot())
-        await bus.trim("w", ids[-1])
+        await _missed_behind_a_trim(bus, w, 10, snapshot=heal == "snapshot")
+        if heal == "new_epoch":  # no snapshot covers the gap: the agent's next run closes it
+            w = Writer("w", epoch=2, seed=4)
+            await w.publish(bus, [w.entry([Cleared()])])
         await w.publish(bus, [w.entry(w.random_events())])
         bus.reads_down = False
         await wait_until(lambda: ("healed", {}) in seen, 5, "healed")

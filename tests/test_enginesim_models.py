@@ -319,8 +319,8 @@ def _outside_window(cached: set[Any], parent_of: dict[Any, Any], keep: int) -> s
     """Cached blocks with a cached descendant ``keep`` or more blocks deeper."""
     out: set[Any] = set()
     for h in cached:
-        up = parent_of.get(h) if keep else h
-        for _ in range(max(0, keep - 1)):
+        up = h
+        for _ in range(keep):  # the ancestor ``keep`` blocks up, and all above it
             up = parent_of.get(up) if up is not None else None
         while up is not None and up not in out:
             out.add(up)
@@ -390,10 +390,10 @@ def test_grouped_events_stay_consistent_under_a_random_workload(
     check()
     full = consumer.group(1)
     early = [(0, -(-(window - 1) // 4))] + ([(2, 1)] if mamba else [])  # (group, keep)
+    deepest = max((_depth(h, parent_of) for h in full), default=-1)
     for g, keep in early:
         outside = _outside_window(full, parent_of, keep)
         assert not outside & consumer.group(g), (g, keep)
-        deepest = max((_depth(h, parent_of) for h in full), default=-1)
         assert bool(outside) == (deepest >= keep)  # the check above is not vacuous
         if outside:
             assert consumer.group(g) < full
