@@ -240,7 +240,10 @@ def test_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert r["targets"] == kv["checks"]
     # kvroute's own counters: its KV events read, and its new turns routed on their
     # conversation's known ids (all but each conversation's first turn)
-    assert kv["event_reads_per_request"] > 0 and kv["entries_per_event_read"] >= 1
+    # (a blocking read that times out while the workers are idle returns nothing, so the
+    # mean can dip below one entry per read with nothing wrong: 0.994 in one CI run; the
+    # pacing that batches entries is tested in tests/test_consumer.py)
+    assert kv["event_reads_per_request"] > 0 and kv["entries_per_event_read"] > 0
     assert kv["overlapped_fraction"] > 0.5
 
     p6 = r["p6"]
