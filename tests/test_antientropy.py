@@ -110,6 +110,7 @@ def _workers(url: str) -> list[dict[str, object]]:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.alone
 def test_lost_store_and_removal_are_found_and_healed_within_one_period(tmp_path: Path) -> None:
     period = 1.0
     cfg = StackConfig(

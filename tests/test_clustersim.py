@@ -465,6 +465,7 @@ def _engine_ttft(urls: list[str]) -> tuple[float, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_agrees_with_a_live_run(tokenizer: Tokenizer, tmp_path: Path) -> None:
     """The same scenario live (Redis + 3 sim workers + agents + gateway, real processes,
     ``completion_ids`` prompts so both see identical tokens) and in the simulator.

@@ -4,7 +4,8 @@ Each test runs one scenario from ``loadtest/faults.py`` on a fresh stack (Redis,
 agents, gateway) and checks what the targets promise: no client request fails that should
 not, the shadow index equals every agent's mirror again (exactly, by digest), and recovery is
 fast. Scenarios aim at the busiest worker and check their own preconditions, so none of them
-can pass by missing its target.
+can pass by missing its target. Those that bound a recovery in seconds are marked `alone`:
+scripts/test runs them after the parallel part, with the machine to themselves.
 """
 
 from __future__ import annotations
@@ -23,17 +24,20 @@ def run(name: str, tmp_path: Path, **params: object):  # type: ignore[no-untyped
         return run_fault(name, stack, **params)
 
 
+@pytest.mark.alone
 def test_redis_outage_loses_no_request_and_resyncs(tmp_path: Path) -> None:
     r = run("redis_outage", tmp_path, outage_s=8.0)
     assert r.failed == 0 and r.requests > 40
     assert r.lost == 0 and r.recovery_s is not None and r.recovery_s <= 5.0, r
 
 
+@pytest.mark.alone
 def test_agent_restart_new_epoch_converges(tmp_path: Path) -> None:
     r = run("agent_restart", tmp_path)
     assert r.ok, r
 
 
+@pytest.mark.alone
 def test_engine_restart_drops_stale_entries_within_two_seconds(tmp_path: Path) -> None:
     r = run("engine_restart", tmp_path)
     assert r.detail["blocks_before"] > 0, r
@@ -47,6 +51,7 @@ def test_dropped_event_batches_are_replayed_exactly(tmp_path: Path) -> None:
     assert r.ok, r
 
 
+@pytest.mark.alone
 def test_killed_worker_retries_unstarted_requests_and_gets_no_new_ones(tmp_path: Path) -> None:
     r = run("worker_killed", tmp_path)
     # a real process died (SIGKILL) while requests were in flight on it
@@ -63,6 +68,7 @@ def test_killed_worker_retries_unstarted_requests_and_gets_no_new_ones(tmp_path:
     assert r.ok, r
 
 
+@pytest.mark.alone
 def test_stuck_worker_is_isolated_by_timeouts_and_its_circuit(tmp_path: Path) -> None:
     r = run("stuck_worker", tmp_path)
     assert r.detail["timed_out"] > 0 and r.detail["circuit_during"] != "closed", r

@@ -214,7 +214,11 @@ def test_streams_keep_their_worker_connection_alive(tmp_path: Path) -> None:
     """A stream is relayed to its end and its upstream connection reused: a relay that stopped
     reading at the last event closed the connection (when the body's end had not arrived with
     it), and the next request paid a new one. Each stream's connection is seen while it
-    streams: the one the first request opened serves them all."""
+    streams: the one the first request opened serves them all, but for one more at most. The
+    client has its answer before the relay has read the body's end, so its next request can
+    find that connection still draining (seen on a busy machine) and open a second; from then
+    on one of the two is free whenever a request starts (one stream at a time). A relay that
+    closed its connections opens one per stream: 20."""
     from urllib.parse import urlsplit
 
     with Stack(StackConfig(workers=1, speedup=50, log_dir=tmp_path)) as s:
@@ -238,7 +242,7 @@ def test_streams_keep_their_worker_connection_alive(tmp_path: Path) -> None:
                     used |= held - before
                 pieces.extend(ch.text for ch in chunk.choices)
             assert "".join(pieces)
-        assert len(used) <= 1, f"{len(used)} new connections for 20 streams"
+        assert len(used) <= 2, f"{len(used)} new connections for 20 streams"
 
 
 def _sums(metrics: bytes, *names: str) -> list[float]:
@@ -462,6 +466,7 @@ def routes_to(stack: Stack, prompt: str, worker: str) -> bool:
     return status == 200 and d["worker"] == worker and d["matched_tokens"] > 0
 
 
+@pytest.mark.alone
 def test_killed_worker_is_avoided_and_unstarted_requests_are_retried(tmp_path: Path) -> None:
     """R3 with a real process death: the worker holding a prefix is SIGKILLed; follow-ups that
     prefer it are retried elsewhere (no client error), and from 1 s after the death was
@@ -497,6 +502,7 @@ def test_killed_worker_is_avoided_and_unstarted_requests_are_retried(tmp_path: P
         assert not ws[holder]["healthy"]
 
 
+@pytest.mark.alone
 def test_idle_worker_death_is_noticed_within_one_second_despite_a_hung_worker(
     tmp_path: Path,
 ) -> None:
@@ -683,6 +689,7 @@ def _sse_lines(url: str, max_tokens: int) -> Iterator[tuple[float, bytes]]:
                 yield time.monotonic() - t0, line.strip()
 
 
+@pytest.mark.alone
 def test_stream_idle_timeout_ends_a_stalled_stream_and_spares_a_long_one(tmp_path: Path) -> None:
     """``proxy.idle_timeout`` bounds each wait for the worker's next chunk, not the stream:
     a stream that lasts several timeouts with its tokens closer together arrives whole, and

@@ -221,21 +221,22 @@ def test_publisher_backoff_is_capped_exponential_with_jitter() -> None:
     m = AgentMetrics()
     pub = Publisher(MemoryBus(), "w", 1, dict, m, PublisherSettings(backoff_min=0.1, backoff_max=2))
     assert m.value("redis_connected") == 0  # nothing has reached the bus yet
+    # each delay is bounded from both sides of the call (the clock is read inside it), so a
+    # pause of this process between the readings cannot fail the check
     delays = []
     for _ in range(12):
         before = time.monotonic()
         pub.bus_failed(ConnectionError("down"))
-        delays.append(pub._retry_at - before)
+        delays.append((pub._retry_at - time.monotonic(), pub._retry_at - before))
         assert not pub.may_use_bus() and m.value("redis_connected") == 0
     caps = [min(2.0, 0.1 * 2**i) for i in range(12)]
-    for d, cap in zip(delays, caps, strict=True):
-        assert cap / 2 - 0.01 <= d <= cap + 0.01, (d, cap)
-    assert len({round(d, 6) for d in delays[6:]}) > 1, "capped delays are jittered"
+    for (shortest, longest), cap in zip(delays, caps, strict=True):
+        assert shortest <= cap and longest >= cap / 2, (shortest, longest, cap)
+    assert len({round(d, 2) for _, d in delays[6:]}) > 1, "capped delays are jittered"
     pub.bus_ok()
     assert pub.may_use_bus() and m.value("redis_connected") == 1
-    before = time.monotonic()
     pub.bus_failed(ConnectionError("down again"))
-    assert pub._retry_at - before <= 0.1 + 0.01  # the backoff restarted from backoff_min
+    assert pub._retry_at - time.monotonic() <= 0.1  # the backoff restarted from backoff_min
 
 
 # -- a worker leaves a multi-process gateway ----------------------------------------------------

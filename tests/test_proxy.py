@@ -31,6 +31,7 @@ class _Hanging(AbstractResolver):
         pass
 
 
+@pytest.mark.alone
 async def test_a_hanging_dns_lookup_fails_over_like_a_refused_connection(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -65,6 +66,7 @@ async def test_timed_resolver_answers_through_the_default_one() -> None:
         await resolver.close()
 
 
+@pytest.mark.alone
 async def test_drain_reads_a_finished_stream_to_its_end_and_gives_up_on_a_trickle() -> None:
     """After a stream's last event the proxy reads the body's end, so the connection is kept;
     a worker that keeps the body open past ``timeout`` is left (its connection closed)."""

@@ -380,6 +380,7 @@ async def test_cluster_client_replacements_back_off_while_reads_keep_failing(
         await writer.close()
 
 
+@pytest.mark.alone
 async def test_idle_cluster_groups_are_not_re_read_every_call(redis_cluster: LocalCluster) -> None:
     """A group's read stays in flight with a server-side block of ``_GROUP_BLOCK_MS``, so
     100 ms calls over idle streams do not re-issue every group's XREAD each time (it was

@@ -75,6 +75,7 @@ def test_a_record_holds_rehashed_keys_lengths_and_the_decision_never_text(tmp_pa
     assert set(c["keys"]).isdisjoint(a["keys"])
 
 
+@pytest.mark.alone
 def test_a_full_queue_drops_and_counts_without_blocking(tmp_path: Path) -> None:
     rl, m = make(str(tmp_path / "q.jsonl"), queue_size=2)  # writer not started: nothing drains
     t0 = time.perf_counter()
