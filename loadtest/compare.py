@@ -49,6 +49,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from gateway.routing.costmodel import CostParams
 from gateway.routing.policy import make_policy
 from loadtest.clustersim import (
     Arrival,
@@ -59,6 +60,7 @@ from loadtest.clustersim import (
     simulate,
 )
 from loadtest.driver import DriverConfig, balance, run_load, summarize
+from loadtest.enginesim.timing import timing_model
 from loadtest.harness import post_json
 from loadtest.paired import LEVEL, RESAMPLES, versus
 from loadtest.peers import (
@@ -211,6 +213,11 @@ class CompareConfig:
     #: ``<out_dir>/requests/<nn>-<system>_<load>_.g<i>.jsonl`` (``nn``: the run's number)
     #: (``kvroute simulate --from-log`` replays it: the simulator on the live stream)
     request_log: bool = False
+    #: the kvroute gateway's cost model: "default" (the mocker fit with online calibration,
+    #: what a deployment that configures no ``cost`` gets) or "engine" (fitted to the simulated
+    #: engines' timing and speed-up, what an operator who measured the engines would
+    #: configure; engine "sim" only). Offline and live alike (``engine_cost_params``)
+    gateway_cost: Literal["default", "engine"] = "default"
     mode: str = "chat"
     out_dir: str = "reports/compare"
     seed: int = 0
@@ -234,6 +241,49 @@ def kv_blocks_from_model(cfg: CompareConfig) -> int:
 
 def _kv_blocks(cfg: CompareConfig) -> int:
     return cfg.kv_blocks or kv_blocks_from_model(cfg)
+
+
+# -- the gateway's cost model -----------------------------------------------------------------
+
+
+def engine_cost_params(timing: str, speedup: float, max_batched_tokens: int = 8192) -> CostParams:
+    """The gateway's cost model of a simulated engine: its step-time coefficients, slowed by
+    its speed-up, so a predicted prefill or decode step is the engine's own (before online
+    calibration, which then starts at the truth). The default ``CostParams`` is the mocker's
+    fit at speed-up 1: the presets' engines (``seed-70b`` at 0.125-1) take 8-60x longer per
+    prompt token than it predicts, more than calibration (at most 4x) absorbs."""
+    t = timing_model(timing, speedup)
+    s = t.speedup
+    return CostParams(
+        prefill_a=t.prefill_a / s,
+        prefill_b=t.prefill_b / s,
+        prefill_c=t.prefill_c / s,
+        decode_d2=t.decode_d2 / s,
+        decode_d1=t.decode_d1 / s,
+        decode_d0=t.decode_d0 / s,
+        max_batched_tokens=max_batched_tokens,
+    )
+
+
+def gateway_cost(cfg: CompareConfig) -> CostParams | None:
+    """``cfg.gateway_cost`` as the gateway's ``CostParams`` (None: the gateway's default)."""
+    if cfg.gateway_cost == "default":
+        return None
+    if cfg.engine != "sim":
+        raise ValueError(
+            f"gateway_cost {cfg.gateway_cost!r} needs the simulated engines' timing model;"
+            f" engine {cfg.engine!r} has none (leave gateway_cost 'default': calibration)"
+        )
+    return engine_cost_params(cfg.timing, cfg.speedup)
+
+
+def _pool_settings(cfg: CompareConfig, adapters: list[Any]) -> dict[str, Any]:
+    """The kvroute gateway's pool settings beyond the stack's own."""
+    settings: dict[str, Any] = {"adapters": adapters} if adapters else {}
+    cost = gateway_cost(cfg)
+    if cost is not None:
+        settings["cost"] = asdict(cost)
+    return settings
 
 
 # -- the request stream -----------------------------------------------------------------------
@@ -717,6 +767,7 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
     and plots to ``cfg.out_dir`` (the report is on disk after every run)."""
     _check_systems([*cfg.systems, *(cfg.smg_variants if cfg.tune_smg else ())])
     make_policy("ttft", **cfg.policy_params)  # bad parameters fail here, before any process
+    gateway_cost(cfg)  # likewise a cost model the engines cannot give
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     params = dict(cfg.params)
@@ -775,7 +826,7 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
         flavor=cfg.flavor,
         prefill_workers=cfg.prefill_workers,
         sim_args=lora_args,
-        pool_settings={"adapters": adapters} if adapters else {},
+        pool_settings=_pool_settings(cfg, adapters),
         kv_blocks=_kv_blocks(cfg),
         block_size=cfg.block_size,
         speedup=cfg.speedup,

@@ -18,6 +18,8 @@ timing, speed-up), to read a live cell offline:
   ``--rel-tol``), where a live run can afford a probe or two.
 * A policy may carry parameters: ``ttft:compute_weight=3,tie_ms=2`` (``;`` between policies
   when any has parameters), as ``--set policy_params`` does live.
+* ``--set key=value``: a setting of the compare configuration, as the compare command takes
+  it; ``--set gateway_cost=engine`` gives the simulated gateway the engines' own cost model.
 * ``--trace RATE``: one line per request for the first policy (seed ``--seed``): arrival,
   the first segment's key (e.g. ``hot`` or a group's prefix), worker, reason, the policy's
   predicted TTFT, the simulated TTFT, cached tokens, each engine's queued prompt tokens and
@@ -30,6 +32,7 @@ import argparse
 import atexit
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,7 @@ from loadtest.clustersim import Arrival, ClusterConfig, ClusterSim, SimResult, s
 from loadtest.compare import (
     CompareConfig,
     Stream,
+    gateway_cost,
     kv_blocks_from_model,
     neutral_capacity,
     search_max_rate,
@@ -62,13 +66,18 @@ __all__ = [
 ]
 
 
-def preset_config(preset: str, duration: float | None = None) -> CompareConfig:
-    """The compare command's configuration of ``preset`` (``duration``: its measured window)."""
+def preset_config(
+    preset: str, duration: float | None = None, sets: Sequence[str] = ()
+) -> CompareConfig:
+    """The compare command's configuration of ``preset`` (``duration``: its measured window;
+    ``sets``: its ``--set key=value`` overrides, e.g. ``gateway_cost=engine``)."""
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
     argv = ["compare", "--preset", preset]
     if duration:
         argv += ["--duration", str(duration)]
+    for item in sets:
+        argv += ["--set", item]
     cfg = cli.compare_config(p.parse_args(argv))
     if cfg.workload == "trace" and not cfg.params.get("path"):
         # the compare writes the preset's synthetic trace window into its out_dir; here it
@@ -97,7 +106,7 @@ def split_policies(text: str) -> list[str]:
 def preset_cluster(cfg: CompareConfig, spec: str, seed: int, replicas: int = 1) -> ClusterConfig:
     """The preset's cluster under policy ``spec`` (``name`` or ``name:k=v,...``)."""
     policy, params = parse_policy(spec)
-    return ClusterConfig(
+    config = ClusterConfig(
         replicas=replicas,
         workers=(cfg.prefill_workers or cfg.workers) * cfg.dp_size,
         policy=policy,
@@ -109,6 +118,10 @@ def preset_cluster(cfg: CompareConfig, spec: str, seed: int, replicas: int = 1) 
         seed=seed,
         slo_ttft_ms=cfg.slo_ttft_ms,
     )
+    cost = gateway_cost(cfg)
+    if cost is not None:
+        config.cost = cost
+    return config
 
 
 def window_ttfts(res: SimResult, warmup: float) -> np.ndarray:
@@ -366,8 +379,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--trace", type=float, metavar="RATE")
     p.add_argument("--seed", type=int, default=0, help="--trace: the workload's seed")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the compare configuration, as `kvroute loadtest compare --set`"
+        " takes it (e.g. gateway_cost=engine); repeatable",
+    )
     args = p.parse_args(argv)
-    cfg = preset_config(args.preset, args.duration)
+    try:
+        cfg = preset_config(args.preset, args.duration, args.set)
+        gateway_cost(cfg)
+    except (ValueError, TypeError) as exc:
+        p.error(str(exc))
     policies = split_policies(args.policies)
     try:
         for spec in policies:

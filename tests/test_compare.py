@@ -19,11 +19,15 @@ import numpy as np
 import pytest
 import yaml
 
+from gateway.config import GatewayConfig
+from gateway.contract.settings import load_config
+from gateway.routing.costmodel import CostModel, CostParams
 from loadtest import compare
 from loadtest.clustersim import pooled_bound
 from loadtest.compare import (
     CompareConfig,
     Stream,
+    engine_cost_params,
     kv_blocks_from_model,
     p90_with_failures,
     pick_best,
@@ -32,6 +36,7 @@ from loadtest.compare import (
     window_bound,
     write_trace_window,
 )
+from loadtest.enginesim.timing import timing_model
 from loadtest.replay import read_log
 from loadtest.stack import Stack, StackConfig
 from loadtest.workloads import make_workload
@@ -121,6 +126,49 @@ def test_kv_capacity_from_the_model() -> None:
     assert compare._kv_blocks(CompareConfig(kv_blocks=2048)) == 2048  # eviction on purpose
     half = CompareConfig(gpus_per_worker=4)
     assert kv_blocks_from_model(half) < kv_blocks_from_model(cfg) / 2
+
+
+@pytest.mark.parametrize(("timing", "speedup"), [("seed-70b", 0.125), ("mocker", 2.0)])
+def test_the_engine_cost_model_predicts_the_engines_steps(timing: str, speedup: float) -> None:
+    """``gateway_cost: engine``: the gateway's predicted prefill and decode steps are the
+    simulated engine's own, speed-up included; ``default`` leaves the gateway's default."""
+    engine = timing_model(timing, speedup)
+    model = CostModel(engine_cost_params(timing, speedup))
+    for tokens in (1, 200, 6_000, 8_192):
+        assert model.prefill_ms(tokens) == pytest.approx(
+            engine.step_seconds(tokens, 0, 0.0) * 1000.0, rel=1e-12
+        )
+    for usage in (0.0, 0.3, 1.0):
+        assert model.decode_step_ms(usage) == pytest.approx(
+            engine.step_seconds(0, 1, usage) * 1000.0, rel=1e-12
+        )
+    # a 12,000-token prompt: two chunks of the engine's token budget
+    assert model.chunked_prefill_ms(12_000) == pytest.approx(
+        (engine.step_seconds(8192, 0, 0.0) + engine.step_seconds(12_000 - 8192, 0, 0.0)) * 1000
+    )
+    cfg = CompareConfig(timing=timing, speedup=speedup, gateway_cost="engine")
+    assert compare.gateway_cost(cfg) == engine_cost_params(timing, speedup)
+    assert compare.gateway_cost(CompareConfig(timing=timing, speedup=speedup)) is None
+
+
+def test_an_engine_cost_model_needs_simulated_engines() -> None:
+    with pytest.raises(ValueError, match="engine 'vllm-cpu' has none"):
+        compare.gateway_cost(CompareConfig(engine="vllm-cpu", gateway_cost="engine"))
+    with pytest.raises(ValueError, match="engine 'vllm-cpu' has none"):  # before any process
+        run_compare(CompareConfig(engine="vllm-cpu", gateway_cost="engine", systems=["kvroute"]))
+
+
+def test_presettrace_gives_the_simulated_gateway_the_engine_cost() -> None:
+    from loadtest import presettrace
+
+    cfg = presettrace.preset_config("hot-prefix-8", sets=["gateway_cost=engine"])
+    fitted = presettrace.preset_cluster(cfg, "ttft", 0).cost
+    assert fitted == engine_cost_params("seed-70b", 0.125)
+    assert fitted.prefill_b == pytest.approx(0.1172 * 8)
+    default = presettrace.preset_cluster(presettrace.preset_config("hot-prefix-8"), "ttft", 0)
+    assert default.cost == CostParams()
+    with pytest.raises(SystemExit):
+        presettrace.main(["--preset", "hot-prefix-8", "--set", "gateway_cost=fitted"])
 
 
 # -- the request stream, the policy-neutral capacity and Q1's window -------------------------------
@@ -293,6 +341,19 @@ def test_a_failing_system_is_recorded_and_the_others_still_run(
     out = Path(report["config"]["out_dir"])
     assert "run failed: FileNotFoundError" in (out / "compare.md").read_text()
     assert len(json.loads((out / "compare.json").read_text())["results"]) == 2
+
+
+def test_a_live_gateway_gets_the_engine_cost_model(tmp_path: Path) -> None:
+    """``--set gateway_cost=engine``: the kvroute gateway the comparison starts reads the
+    engines' cost model from its configuration, and routes with it."""
+    cfg = small(tmp_path, ["kvroute"], timing="seed-70b", gateway_cost="engine")
+    report = run_compare(cfg)
+    (row,) = report["results"]
+    assert "error" not in row and row["failed"] == 0 and row["requests"] > 10
+    (path,) = (Path(cfg.out_dir) / "logs").glob("gateway-*.yaml")
+    (pool,) = load_config(GatewayConfig, file=path, env={}).pools
+    assert pool.cost == engine_cost_params("seed-70b", 10.0)
+    assert pool.cost != CostParams()
 
 
 def test_trace_compare_at_smoke_size(tmp_path: Path) -> None:
