@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -181,7 +182,10 @@ def sweep(
     rates: list[float],
     seeds: int,
     edges: list[int] | None = None,
-) -> None:
+) -> list[dict[str, Any]]:
+    """Print each (rate, policy) cell's figures per seed and their means; return them too
+    (``--json``): one dict per cell, per-seed lists and their means."""
+    cells: list[dict[str, Any]] = []
     for rate in rates:
         per: dict[str, list[tuple[float, ...]]] = {p: [] for p in policies}
         sizes: dict[str, str] = {}
@@ -221,8 +225,27 @@ def sweep(
             )
             print(f"rate {rate:6.2f} {policy:12s} {cols} | index precision (whole run)"
                   f" {' '.join(f'{x:.4f}' for x in a[:, 4])}")  # fmt: skip
+            cell: dict[str, Any] = {"rate": rate, "policy": policy, "seeds": list(range(seeds))}
+            for name, j in _CELL_COLUMNS:
+                values = [None if np.isnan(x) else round(float(x), 6) for x in a[:, j]]
+                cell[name] = values
+                known = [x for x in values if x is not None]
+                cell[f"{name}_mean"] = round(float(np.mean(known)), 6) if known else None
+            cells.append(cell)
         for policy, line in sizes.items():
             print(f"rate {rate:6.2f} {policy:12s} seed 0, TTFT by uncached tokens: {line}")
+    return cells
+
+
+#: a sweep cell's JSON keys and their columns in ``sweep``'s per-seed tuples
+_CELL_COLUMNS = (
+    ("ttft_p50_ms", 0),
+    ("ttft_p90_ms", 1),
+    ("ttft_p99_ms", 2),
+    ("hit_rate", 3),
+    ("index_precision", 4),
+    ("goodput", 5),
+)
 
 
 def slo_capacity(
@@ -387,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         help="a setting of the compare configuration, as `kvroute loadtest compare --set`"
         " takes it (e.g. gateway_cost=engine); repeatable",
     )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="--rates / --loads: also write the sweep's cells (per seed, and means) as JSON",
+    )
     args = p.parse_args(argv)
     try:
         cfg = preset_config(args.preset, args.duration, args.set)
@@ -409,7 +437,16 @@ def main(argv: list[str] | None = None) -> int:
         rates = _numbers(p, "--rates", args.rates, "positive req/s, e.g. 2,4") if args.rates else []
         if args.loads is not None:
             rates += load_rates(cfg, _loads(p, args.loads, cfg))
-        sweep(cfg, policies, rates, args.seeds, edges)
+        cells = sweep(cfg, policies, rates, args.seeds, edges)
+        if args.json:
+            report = {
+                "preset": args.preset,
+                "set": args.set,
+                "duration": cfg.duration,
+                "slo_ttft_ms": cfg.slo_ttft_ms,
+                "cells": cells,
+            }
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if args.trace:
         trace(cfg, policies[0], args.trace, args.seed)
     return 0

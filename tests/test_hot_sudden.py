@@ -16,6 +16,7 @@ of this stream, so the test runs past that.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,29 @@ def test_presettrace_sweep_reports_precision(capsys: pytest.CaptureFixture[str])
     assert presettrace.main(["--duration", "6", "--rates", "8", "--policies", "ttft"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("rate")]
     assert float(line.split("index precision (whole run) ")[1]) > 0.5
+
+
+def test_presettrace_sweep_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--json``: the sweep's cells as printed, per seed and their means."""
+    from loadtest import presettrace
+
+    out = tmp_path / "sweep.json"
+    argv = ["--duration", "6", "--rates", "8", "--seeds", "2", "--json", str(out)]
+    assert presettrace.main([*argv, "--policies", "ttft;round_robin"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("rate")]
+    report = json.loads(out.read_text())
+    assert report["preset"] == "hot-sudden" and report["duration"] == 6.0
+    cells = report["cells"]
+    assert [(c["rate"], c["policy"]) for c in cells] == [(8.0, "ttft"), (8.0, "round_robin")]
+    for cell, line in zip(cells, lines, strict=True):
+        assert len(cell["ttft_p50_ms"]) == 2 and cell["seeds"] == [0, 1]
+        printed = line.split("| p90")[0].split()  # rate, 8.00, policy, p50, s0, s1, mean, m
+        assert [float(x) for x in printed[4:6]] == [round(x) for x in cell["ttft_p50_ms"]]
+        assert float(printed[7]) == round(cell["ttft_p50_ms_mean"])
+        assert cell["ttft_p50_ms"][0] <= cell["ttft_p99_ms"][0]
+        assert 0 < cell["hit_rate_mean"] <= 1 and 0 <= cell["goodput_mean"] <= 1
+    assert cells[0]["index_precision_mean"] > 0.5
+    assert cells[1]["index_precision"] == [None, None] and cells[1]["index_precision_mean"] is None
 
 
 def test_presettrace_loads_are_fractions_of_the_neutral_capacity(
