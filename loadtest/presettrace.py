@@ -12,7 +12,8 @@ timing, speed-up), to read a live cell offline:
 * ``--rates`` (or ``--loads``, fractions of load 1.0) x ``--seeds``: TTFT p50 / p90 / p99,
   the hit rate and the goodput (share of requests within the preset's ``slo_ttft_ms``) of
   the window for every policy, per workload seed (seed 0 is the preset's stream), and the
-  means; with ``--by-size 2000,5000``, seed 0's median TTFT by uncached prompt tokens too.
+  means; with ``--by-size 2000,5000``, seed 0's median TTFT by uncached prompt tokens too;
+  ``--json PATH`` writes the same cells as JSON.
 * ``--slo-capacity``: per policy and seed, capacity at SLO as the live comparison defines it
   (the highest rate whose window keeps p90 TTFT <= the preset's ``slo_ttft_ms``; bisection to
   ``--rel-tol``), where a live run can afford a probe or two.
