@@ -1289,6 +1289,20 @@ def _versus_markdown(rows: list[dict[str, Any]]) -> str:
     return f"\n{VERSUS_NOTE}:\n\n" + format_table(table, markdown=True) + "\n"
 
 
+def _kvroute_settings(config: dict[str, Any]) -> str:
+    """A line naming the kvroute gateway's settings that are not its defaults (the cost model
+    and the policy's parameters), so that a report says what it measured; "" when none."""
+    said = []
+    cost = config.get("gateway_cost", "default")
+    if cost != "default":
+        said.append(f"cost model `{cost}` (the simulated engines' own coefficients)")
+    if config.get("cost_params"):
+        said.append(f"cost settings `{json.dumps(config['cost_params'], sort_keys=True)}`")
+    if config.get("policy_params"):
+        said.append(f"policy parameters `{json.dumps(config['policy_params'], sort_keys=True)}`")
+    return f"kvroute's gateway: {'; '.join(said)}.\n\n" if said else ""
+
+
 def markdown(report: dict[str, Any]) -> str:
     def cells(r: dict[str, Any]) -> dict[str, Any]:
         row = {col: r.get(key, "") for col, key in COLUMNS.items()}
@@ -1306,6 +1320,7 @@ def markdown(report: dict[str, Any]) -> str:
                 "with all the cluster's KV and compute, no routing)"
             )
         head += ".\n\n"
+    head += _kvroute_settings(report.get("config") or {})
     if report.get("bound_by_load"):
         bounds = ", ".join(f"{k}: {v:.3f}" for k, v in report["bound_by_load"].items())
         head += f"Pooled-cache bound on the hit rate of each run's measured window: {bounds}\n\n"

@@ -375,6 +375,18 @@ def test_a_live_gateway_gets_the_engine_cost_model(tmp_path: Path) -> None:
     (pool,) = load_config(GatewayConfig, file=path, env={}).pools
     assert pool.cost == engine_cost_params("seed-70b", 10.0)
     assert pool.cost != CostParams()
+    # the report says which model it measured
+    md = (Path(cfg.out_dir) / "compare.md").read_text()
+    assert "kvroute's gateway: cost model `engine` (the simulated engines' own" in md
+    assert compare._kvroute_settings(report["config"]) in md
+    assert compare._kvroute_settings({"gateway_cost": "default"}) == ""
+    line = compare._kvroute_settings(
+        {"cost_params": {"calibration_max": 64}, "policy_params": {"tie_ms": 2}}
+    )
+    assert line == (
+        'kvroute\'s gateway: cost settings `{"calibration_max": 64}`; '
+        'policy parameters `{"tie_ms": 2}`.\n\n'
+    )
 
 
 def test_trace_compare_at_smoke_size(tmp_path: Path) -> None:
