@@ -249,10 +249,11 @@ def _kv_blocks(cfg: CompareConfig) -> int:
 # -- the gateway's cost model -----------------------------------------------------------------
 
 
-def engine_cost_params(timing: str, speedup: float, max_batched_tokens: int = 8192) -> CostParams:
+def engine_cost_params(timing: str, speedup: float) -> CostParams:
     """The gateway's cost model of a simulated engine: its step-time coefficients, slowed by
     its speed-up, so a predicted prefill or decode step is the engine's own (before online
-    calibration, which then starts at the truth). The default ``CostParams`` is the mocker's
+    calibration, which then starts at the truth); the chunk stays ``CostParams``' 8,192
+    tokens, the engines' default step budget. The default ``CostParams`` is the mocker's
     fit at speed-up 1: the presets' engines (``seed-70b`` at 0.125-1) take 8-60x longer per
     prompt token than it predicts, more than calibration (at most 4x) absorbs."""
     t = timing_model(timing, speedup)
@@ -264,7 +265,6 @@ def engine_cost_params(timing: str, speedup: float, max_batched_tokens: int = 81
         decode_d2=t.decode_d2 / s,
         decode_d1=t.decode_d1 / s,
         decode_d0=t.decode_d0 / s,
-        max_batched_tokens=max_batched_tokens,
     )
 
 

@@ -24,7 +24,7 @@ from gateway.config import GatewayConfig
 from gateway.contract.settings import load_config
 from gateway.routing.costmodel import CostModel, CostParams
 from loadtest import compare
-from loadtest.clustersim import pooled_bound
+from loadtest.clustersim import ClusterConfig, pooled_bound
 from loadtest.compare import (
     CompareConfig,
     Stream,
@@ -37,6 +37,7 @@ from loadtest.compare import (
     window_bound,
     write_trace_window,
 )
+from loadtest.enginesim.config import SchedulerConfig
 from loadtest.enginesim.timing import timing_model
 from loadtest.replay import read_log
 from loadtest.stack import Stack, StackConfig
@@ -143,7 +144,11 @@ def test_the_engine_cost_model_predicts_the_engines_steps(timing: str, speedup: 
         assert model.decode_step_ms(usage) == pytest.approx(
             engine.step_seconds(0, 1, usage) * 1000.0, rel=1e-12
         )
-    # a 12,000-token prompt: two chunks of the engine's token budget
+    # a 12,000-token prompt: two chunks of the engine's token budget (the live simulator's
+    # and the offline one's are the cost model's chunk)
+    budget = model.params.max_batched_tokens
+    assert budget == SchedulerConfig().max_num_batched_tokens == 8192
+    assert budget == ClusterConfig().max_num_batched_tokens
     assert model.chunked_prefill_ms(12_000) == pytest.approx(
         (engine.step_seconds(8192, 0, 0.0) + engine.step_seconds(12_000 - 8192, 0, 0.0)) * 1000
     )
