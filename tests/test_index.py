@@ -21,6 +21,8 @@ TTL = 5.0
 _SEQS = [list(p) for n in range(1, 7) for p in itertools.product(range(3), repeat=n * BS)][::7]
 CHAINS = [KEYER.keys(s) for s in _SEQS]
 ALL_KEYS = sorted({k for c in CHAINS for k in c})
+#: each key's parent on its chain (a key names its whole prefix, so the parent is unique)
+PARENT = {k: (c[i - 1] if i else None) for c in CHAINS for i, k in enumerate(c)}
 
 
 class Model:
@@ -70,6 +72,13 @@ class Model:
         for s in self.spec.values():
             for k in [k for k, e in s.items() if e <= now]:
                 del s[k]
+
+    def continues(self, w: str, key: int) -> bool:
+        """Whether ``w`` holds (really or speculatively) ``key`` and a block whose parent it is."""
+        if w not in self.real:
+            return False
+        held = {*self.real[w], *self.spec[w]}
+        return key in held and any(PARENT[k] == key for k in held)
 
     def match(self, keys: list[int]) -> dict[str, int]:
         out = {}
@@ -140,6 +149,13 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(chain=chains)
     def match(self, chain: list[int]) -> None:
         assert self.index.match(chain) == self.model.match(chain)
+
+    @rule(w=workers, data=st.data())
+    def continues(self, w: str, data: st.DataObject) -> None:
+        # mostly keys the worker holds (where the answer can be yes), sometimes any key
+        held = sorted({*self.model.real.get(w, ()), *self.model.spec.get(w, {})})
+        key = data.draw(st.sampled_from(held if held and data.draw(st.booleans()) else ALL_KEYS))
+        assert self.index.continues(w, key) == self.model.continues(w, key)
 
     @precondition(lambda self: True)
     @invariant()
@@ -244,6 +260,26 @@ def test_speculated_at_is_when_the_attribution_was_made() -> None:
     assert idx.speculated_at("b", chain[2]) is None
     idx.expire(9.0)
     assert idx.speculated_at("a", chain[2]) is None
+
+
+def test_continues_tells_where_a_holders_chain_goes_on() -> None:
+    """``continues(worker, key)``: the worker holds ``key`` and the block after it, in the
+    same run or in a child run (where another worker's shorter copy split the chain), really
+    or speculatively; not at the chain's end, nor for a key it does not hold."""
+    chain = max(CHAINS, key=len)
+    idx = ShadowIndex(speculative_ttl=TTL)
+    idx.stored("a", None, chain)
+    idx.stored("b", None, chain[:2])  # splits a's chain after chain[1]
+    idx.speculate("c", chain[:4], 1.0)
+    assert idx.continues("a", chain[0])  # within a run
+    assert idx.continues("a", chain[1])  # the run ends; a's child run goes on
+    assert not idx.continues("a", chain[-1])  # the end of a's chain
+    assert not idx.continues("b", chain[1])  # b's copy ends there
+    assert not idx.continues("b", chain[3])  # not held by b
+    assert idx.continues("c", chain[2]) and not idx.continues("c", chain[3])  # speculative
+    assert not idx.continues("nobody", chain[0])
+    idx.expire(1.0 + TTL)
+    assert not idx.continues("c", chain[2])
 
 
 def test_outbox_carries_own_inserts_and_adopt_replays_them_elsewhere() -> None:

@@ -291,6 +291,25 @@ def test_a_pair_of_siblings_of_a_modest_prefix_stays_together() -> None:
     assert got[1].worker == got[0].worker and got[1].reason == "cache"
 
 
+def test_onset_siblings_count_the_request_being_prefilled() -> None:
+    """``onset_siblings``: the request its holder is prefilling counts as demand when the
+    new one shares only a prefix of its prompt (a sibling), so the pair of the test above
+    splits, the second going cold to an idle worker as round robin would send it. A
+    conversation's next turn (its match is the whole of the previous prompt) still stays
+    with its holder."""
+    r = router(seed=7, onset_siblings=True)
+    got = siblings(r, ids(9, 2000), 2, 0.02, tail=90)
+    assert got[1].worker != got[0].worker and got[1].reason == "replicate"
+    assert got[1].matched_tokens == 0
+    r = router(seed=7, onset_siblings=True)
+    first = ids(9, 2000) + ids(90, 64)
+    d0 = r.route(KEYER.keys(first), len(first), now=0.0)
+    r.started(d0, len(first), now=0.0)
+    turn = first + ids(91, 64)  # the next turn: the whole previous prompt, then more
+    d1 = r.route(KEYER.keys(turn), len(turn), now=0.02)
+    assert (d1.worker, d1.reason, d1.matched_tokens) == (d0.worker, "cache", len(first) // BS * BS)
+
+
 def test_requests_arriving_within_one_prefill_count_as_demand() -> None:
     """The cost model may think a prefill cheap (uncalibrated, it says 48 ms for 2,000
     tokens, too little for 20 req/s to warrant a second holder), but while no holder has

@@ -394,6 +394,21 @@ class ShadowIndex:
         slot = self._slot.get(worker)
         return slot is not None and self._holds_real(key, 1 << slot)
 
+    def continues(self, worker: str, key: int) -> bool:
+        """Whether ``worker`` holds (really or speculatively) the block ``key`` and a block
+        right after it: the prompt that put ``key`` there went on past it. A request whose
+        match ends at ``key`` while its holder's chain continues shares only that prefix
+        with the holder's prompt (a sibling), not the whole of it (a next turn)."""
+        if self._pending:
+            self.settle()
+        slot = self._slot.get(worker)
+        node = self._node.get(key)
+        if slot is None or node is None or not node.mask & (bit := 1 << slot):
+            return False
+        if node.keys[-1] != key:  # the run goes on, held by the same workers
+            return True
+        return any(child.mask & bit for child in node.children.values())
+
     def speculated_at(self, worker: str, key: int) -> float | None:
         """When the decision that attributed block ``key`` to ``worker`` speculatively was
         made (the latest one, if several), or None if that attribution is not speculative."""

@@ -270,7 +270,9 @@ class PolicyContext:
     ``computed(worker, key)``: whether the engine has reported the block ``key`` on
     ``worker`` (a match may be only speculative: a prefill still under way); None: unknown.
     ``speculated_at(worker, key)``: when the decision that attributed ``key`` to ``worker``
-    speculatively was made (None: not speculative, or unknown)."""
+    speculatively was made (None: not speculative, or unknown).
+    ``continues(worker, key)``: whether ``worker``'s chain goes on past the block ``key``
+    (``ShadowIndex.continues``); None: unknown."""
 
     cost: CostModel = field(default_factory=CostModel)
     rng: random.Random = field(default_factory=random.Random)
@@ -279,6 +281,7 @@ class PolicyContext:
     now: float = 0.0
     computed: Callable[[str, int], bool] | None = None
     speculated_at: Callable[[str, int], float | None] | None = None
+    continues: Callable[[str, int], bool] | None = None
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # plug-in policies subclass it

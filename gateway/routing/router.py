@@ -85,6 +85,7 @@ class Router:
             rng=rng or random.Random(),
             computed=self.index.holds,
             speculated_at=self.index.speculated_at,
+            continues=self.index.continues,
         )
         self.speculate = speculate
         #: when not None, every request's start, first token and end (``Note``s), and the

@@ -124,6 +124,19 @@ the cluster into a collapse it did not leave (docs/benchmarks.md, "Open-loop tur
 onset"). A conversation's own prefix (a low rate) never replicates; one
 system prompt on every request at a high rate ends up on every worker.
 
+``onset_siblings`` (off by default) counts one more request at that onset: the one its
+holder is prefilling, when the request being routed shares only a prefix of its prompt (the
+holder's chain goes on past the match, ``ShadowIndex.continues``: a sibling, not a
+conversation's next turn). Then a hot prefix's second request already takes a second
+worker cold, as round robin sends it, where by default the third does: on hot-prefix-2 at
+30% (offline, seed 3) the onset became round robin's request for request, and the window's
+p99 went from 1.004x to 1.001x round robin's (10 seeds), hot-prefix-8's 30% p99 below
+it. But every preset with several shared prefixes lost by it: each system prompt's onset
+put a second cold copy on another worker, and the hit rate fell 0.1-0.9 points on
+chat-eviction, dp-ranks and lora, chat-eviction's 60% p99 +5% and 80% p50 +15% (12 seeds),
+hot-sudden's 80% p50 +17% (docs/benchmarks.md, "A hot prefix's second request at its
+onset"). A setting for a pool whose traffic is one hot prefix, not the default.
+
 ``warm_idle`` (on by default) adds holders for a reason the demand's compute does not
 show: in a cold pool (recent reuse below ``cold_reuse``), a sustained prefix (not a burst)
 whose holders are all busy is warmed onto an idle worker that lacks it, one per request
@@ -210,6 +223,7 @@ class PredictedTTFT(Policy):
         warm_idle: bool = True,
         queue_weight: float = 0.0,
         warm_queue_weight: float = 0.0,
+        onset_siblings: bool = False,
     ) -> None:
         if (
             min(compute_weight, tie_ms, tie_ratio, replication, step_ties, hot_step_ties) < 0
@@ -248,6 +262,9 @@ class PredictedTTFT(Policy):
         self.queue_weight = queue_weight
         # ... and that weight while the pool's recent reuse is at least cold_reuse
         self.warm_queue_weight = warm_queue_weight
+        # at a prefix's onset, the request being prefilled counts as demand when this one is
+        # its sibling (off by default): see the module docstring
+        self.onset_siblings = onset_siblings
 
     def choose(
         self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, explain: bool = False
@@ -685,8 +702,14 @@ class PredictedTTFT(Policy):
             # every holder is still computing the prefix, so its prefill has lasted at
             # least since the prefix was first seen: the requests seen since (and this one)
             # arrived within one prefill, each a holder's worth of demand, whatever the cost
-            # model (uncalibrated at first) says the prefill costs
-            need = min(size, math.ceil(pop.weight(key, ctx.now) + 1.0 - 1e-9))
+            # model (uncalibrated at first) says the prefill costs. With ``onset_siblings``
+            # so did the request being prefilled, when this one shares only a prefix of its
+            # prompt (a sibling: the holder's chain goes on past the match), not all of it
+            # (a next turn)
+            seen = pop.weight(key, ctx.now) + 1.0
+            if self.onset_siblings and ctx.continues is not None and ctx.continues(pick, key):
+                seen += 1.0
+            need = min(size, math.ceil(seen - 1e-9))
         if need <= have:
             return None
         free = pool.idle_bits & ~held
