@@ -310,6 +310,37 @@ def test_onset_siblings_count_the_request_being_prefilled() -> None:
     assert (d1.worker, d1.reason, d1.matched_tokens) == (d0.worker, "cache", len(first) // BS * BS)
 
 
+def test_a_prefill_longer_than_the_speculation_keeps_its_attribution() -> None:
+    """A prefix routed at t = 0 is attributed to its worker speculatively for
+    ``speculative_ttl`` (5 s) until the engine reports it. A request matching it there
+    before that (the prefill still under way: a long prompt, a slow engine) computes it
+    there too, so it renews the attribution: at 8 s the prefix still points at its worker.
+    Before, only the new request's own blocks were attributed, and on hot-prefix-8 (10 s
+    cold prefills) the prefix lapsed mid-prefill on every worker, sending requests to the
+    holders left in the index, then cold to workers already computing it. Without such a
+    request the attribution lapses as before."""
+
+    def run(second_at: float | None) -> tuple[Router, str, list[int]]:
+        r = router(seed=3)
+        prefix = ids(7, 6000)
+        first = prefix + ids(200, 64)
+        d0 = r.route(KEYER.keys(first), len(first), now=0.0)
+        r.started(d0, len(first), now=0.0)
+        if second_at is not None:
+            second = prefix + ids(201, 64)
+            d1 = r.route(KEYER.keys(second), len(second), now=second_at)
+            r.started(d1, len(second), now=second_at)
+            assert (d1.worker, d1.reason) == (d0.worker, "cache")
+        r.tick(8.0)
+        return r, d0.worker, KEYER.keys(prefix)
+
+    r, worker, pkeys = run(4.0)
+    assert r.index.match(pkeys) == {worker: len(pkeys)}
+    assert r.index.speculated_at(worker, pkeys[-1]) == 4.0
+    r, worker, pkeys = run(None)
+    assert r.index.match(pkeys) == {}
+
+
 def test_requests_arriving_within_one_prefill_count_as_demand() -> None:
     """The cost model may think a prefill cheap (uncalibrated, it says 48 ms for 2,000
     tokens, too little for 20 req/s to warrant a second holder), but while no holder has

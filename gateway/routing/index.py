@@ -182,7 +182,8 @@ class ShadowIndex:
         Called after a routing decision (``keys`` is the request's chain from the root,
         ``start`` the blocks the worker already matched) so that a burst of requests sharing
         a new prefix follows the first one. An attribution lasts ``speculative_ttl`` after
-        the latest decision that made it. Returns the number of blocks newly attributed.
+        the latest decision that made it (the router renews a speculative match by
+        attributing the whole prompt again). Returns the number of blocks newly attributed.
         """
         if self._pending:
             self.settle()

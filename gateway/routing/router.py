@@ -195,6 +195,11 @@ class Router:
                 self._routed = (decision, shared)
             if self.speculate and keys:
                 start = decision.matched_tokens // self.block_size
+                if start and not index.holds(decision.worker, keys[start - 1]):
+                    # the match there is itself speculative (a prefill still under way):
+                    # this request computes it there too, so it renews the attribution, or
+                    # a prefill longer than ``speculative_ttl`` would outlive it
+                    start = 0
                 if isinstance(keys, LazyKeys) and keys.computed < len(keys):
                     # the rest of the keys after the decision (ShadowIndex.speculate_later)
                     index.speculate_later(decision.worker, keys, now, start=start)
