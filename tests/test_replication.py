@@ -367,14 +367,18 @@ def test_no_cold_onset_once_the_prefix_is_computed() -> None:
 
 def test_a_conversation_turn_behind_its_queued_previous_turn_is_not_an_onset() -> None:
     """Open-loop traffic past capacity: a conversation's next turn arrives while its
-    previous turn (sent 3 s ago) still waits in its holder's queue, so the holder's match is
-    speculative and its queue holds the prefix. One request in 3 s is not a hot prefix's
-    onset: it stays with the holder (a cache hit behind the queue) instead of going cold to
-    another worker, which would compute the whole conversation again. A prefix's onset
-    (its second request within 50 ms) still spills, as before."""
+    previous turn still waits in its holder's queue, so the holder's match is speculative
+    and its queue holds the prefix. A next turn is not a hot prefix's onset, however soon it
+    follows (3 s or 50 ms: one request gives no rate): it stays with the holder (a cache hit
+    behind the queue) instead of going cold to another worker, which would compute the
+    whole conversation again. A sibling (a request sharing only a prefix of the queued
+    prompt) 50 ms after it is an onset, and still spills. With ``next_turns: false`` (the
+    rule before) the 50 ms turn spilled too: on chat-eviction with the engines' own cost
+    model such turns went cold by the dozen (docs/benchmarks.md, "Next turns are not an
+    onset")."""
 
-    def turn_two(gap: float) -> Decision:
-        r = Router(make_policy("ttft"), BS, rng=random.Random(15))
+    def second(gap: float, sibling: bool = False, **params: object) -> Decision:
+        r = Router(make_policy("ttft", **params), BS, rng=random.Random(15))
         for w in ("a", "b"):
             r.add_worker(w)
             r.index.add_worker(w)
@@ -383,13 +387,16 @@ def test_a_conversation_turn_behind_its_queued_previous_turn_is_not_an_onset() -
         r.loads.started("a", 8_000, 0.0)  # someone else's prompt ahead of it
         r.loads.started("a", len(first), 0.0)  # turn 1, still queued
         r.loads.started("b", 4_000, 0.0)  # "b" busy too (past capacity)
-        toks = first + ids(17, 64)
+        toks = (first[:11_200] if sibling else first) + ids(17, 64)
         return r.route(KEYER.keys(toks), len(toks), now=gap)
 
-    later = turn_two(3.0)
-    assert (later.worker, later.reason, later.matched_tokens) == ("a", "cache", 12_000)
-    burst = turn_two(0.05)  # the same prefix twice within 50 ms: demand for two holders
+    for gap in (3.0, 0.05):
+        later = second(gap)
+        assert (later.worker, later.reason, later.matched_tokens) == ("a", "cache", 12_000)
+    burst = second(0.05, sibling=True)  # the prefix twice within 50 ms: two holders' demand
     assert (burst.worker, burst.reason) == ("b", "replicate")
+    old = second(0.05, next_turns=False)
+    assert (old.worker, old.reason) == ("b", "replicate")
 
 
 def test_no_cold_onset_when_the_holder_is_busy_with_other_work() -> None:

@@ -124,6 +124,17 @@ the cluster into a collapse it did not leave (docs/benchmarks.md, "Open-loop tur
 onset"). A conversation's own prefix (a low rate) never replicates; one
 system prompt on every request at a high rate ends up on every worker.
 
+``next_turns`` (on by default) keeps a conversation's next turn out of that onset rule
+altogether: when the holder's chain ends at the request's match (the request extends the
+prompt queued there instead of sharing a prefix of it, ``ShadowIndex.continues``), it is
+one conversation, whatever rate its one request suggests. Counted from the previous turn's
+attribution, a turn sent 0.1-0.3 s after it (open-loop) still measured 3-10 requests/s; with
+a cost model that prices the holder's queue as the engines spend it, such turns went cold
+to other workers by the dozen, each recomputing its conversation, and chat-eviction at 80%
+collapsed (offline, 6 seeds: p50 / p99 15.2 / 46.7 s, 2.2 / 9.2 s with the rule); with the
+default model the rule cuts that cell's p50 / p99 by 30% / 28% (docs/benchmarks.md, "Next
+turns are not an onset").
+
 ``onset_siblings`` (off by default) counts one more request at that onset: the one its
 holder is prefilling, when the request being routed shares only a prefix of its prompt (the
 holder's chain goes on past the match, ``ShadowIndex.continues``: a sibling, not a
@@ -224,6 +235,7 @@ class PredictedTTFT(Policy):
         queue_weight: float = 0.0,
         warm_queue_weight: float = 0.0,
         onset_siblings: bool = False,
+        next_turns: bool = True,
     ) -> None:
         if (
             min(compute_weight, tie_ms, tie_ratio, replication, step_ties, hot_step_ties) < 0
@@ -265,6 +277,8 @@ class PredictedTTFT(Policy):
         # at a prefix's onset, the request being prefilled counts as demand when this one is
         # its sibling (off by default): see the module docstring
         self.onset_siblings = onset_siblings
+        # a conversation's next turn never spills at an onset (see _spill)
+        self.next_turns = next_turns
 
     def choose(
         self, request: RouteRequest, pool: PoolView, ctx: PolicyContext, explain: bool = False
@@ -683,11 +697,14 @@ class PredictedTTFT(Policy):
         random, else the least loaded busy one) when its predicted TTFT there is no worse
         than at ``pick``: that request loses nothing and the new holder starts a warm-up's
         worth earlier. A burst of siblings of a short prefix (demand for one holder) and a
-        conversation's next turn (its prefix already computed) stay where they are."""
+        conversation's next turn (its prefix computed, or its previous turn still queued on
+        ``pick``: ``next_turns``) stay where they are."""
         if pool.view(pick).queued_prefill_tokens < tokens:
             return None
         if ctx.computed is not None and ctx.computed(pick, key):  # the prefix is there
             return None
+        if self.next_turns and ctx.continues is not None and not ctx.continues(pick, key):
+            return None  # the holder's chain ends at the match: a next turn, not a sibling
         pop = ctx.popularity
         size = len(pool.workers)
         # the prefix's demand counted from the request that put it on ``pick`` (its
