@@ -192,6 +192,38 @@ async def test_repeated_prefix_hits_and_events_decode(
     assert all(e["block_size"] == 4 for e in stored)
 
 
+async def test_a_reset_during_a_step_waits_for_its_delivery() -> None:
+    """A cache reset that arrives while a step's results are still on their way (the driver
+    sleeps for the step's duration; the step finished the last request, so nothing runs)
+    runs after the step is delivered, as vLLM runs one between steps. Before, it ran at once
+    and its clear reached the event encoder before the step's stores, whose parent block the
+    clear had dropped: the driver died on the lookup and the worker never stepped again, so
+    the next request hung (seen in `loadtest compare`, where every system's run is followed
+    by a reset: the peers measured after it met dead engines)."""
+    slow = TimingConfig(speedup=0.05)  # a mocker step of ~0.3-0.4 s: a window to reset in
+    cfg = sim_config(tokenizer="none", cache=CacheConfig(kv_blocks=64, block_size=4), timing=slow)
+    async with SimCluster(cfg, tokenizer=None) as cluster, aiohttp.ClientSession() as s:
+        w = cluster.workers[0]
+        url = w.http_url + "/v1/completions"
+        prefix = list(range(1000, 1016))
+        st, _ = await post(s, url, {"prompt": prefix, "max_tokens": 1})
+        assert st == 200
+        # the next prompt extends the cached prefix: its step stores blocks under a parent
+        second = asyncio.create_task(
+            post(s, url, {"prompt": [*prefix, 1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 1})
+        )
+        await until(lambda: w.core.stats.finished == 2)  # computed, not yet delivered
+        assert not second.done()
+        st, res = await post(s, w.http_url + "/reset_prefix_cache", {})
+        assert (st, res) == (200, {"success": True})
+        assert second.done() and (await second)[0] == 200  # delivered before the reset
+        assert w.core.cache.cached_blocks == 0
+        driver = w.ranks[0].driver
+        assert driver is not None and not driver.done()
+        st, third = await asyncio.wait_for(post(s, url, {"prompt": prefix, "max_tokens": 1}), 10)
+        assert st == 200 and third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 async def test_usage_in_streams_and_shapes(zctx: zmq.asyncio.Context) -> None:
     cfg = sim_config(tokenizer="none")
     async with SimCluster(cfg, tokenizer=None) as cluster, aiohttp.ClientSession() as s:

@@ -428,9 +428,7 @@ class _Handlers:
     # -- vLLM ------------------------------------------------------------------------------
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        ok = self.w.reset_prefix_cache()
-        await self.w.publish_pending_events()
-        return _json({"success": ok})
+        return _json({"success": await self.w.reset_prefix_cache()})
 
     async def kv_event_sources(self, request: web.Request) -> web.Response:
         """vLLM 0.32+: each data-parallel rank's ``KVEventsConfig`` keyed by the rank as a
@@ -610,9 +608,8 @@ class _Handlers:
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if self.w.busy or not self.w.reset_prefix_cache():
+        if self.w.busy or not await self.w.reset_prefix_cache():
             return web.Response(status=400, text=_FLUSH_BUSY)
-        await self.w.publish_pending_events()
         return web.Response(
             text="Cache flushed.\nPlease check backend logs for more details. (When there are "
             "running or waiting requests, the operation will not be performed.)\n"

@@ -83,6 +83,9 @@ class SimRank:
     encoder: EventEncoder | None = None
     driver: asyncio.Task[None] | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: held by the driver from a step to its delivery: a cache reset waits for it, as vLLM
+    #: runs one between engine steps (see ``SimWorker.reset_prefix_cache``)
+    stepping: asyncio.Lock = field(default_factory=asyncio.Lock)
     active: dict[int, Generation] = field(default_factory=dict)
     streaming: dict[int, Generation] = field(default_factory=dict)
 
@@ -188,6 +191,7 @@ class SimWorker:
         rank.driver = asyncio.create_task(
             self._drive(rank), name=f"sim-worker-{self.index}-dp{rank.index}"
         )
+        rank.driver.add_done_callback(_driver_died)
 
     async def stop(self) -> None:
         """Shut down cleanly (end of a test or of the process)."""
@@ -452,16 +456,23 @@ class SimWorker:
             rank.streaming.pop(gen.req.rid, None)
             rank.core.abort(gen.req, asyncio.get_running_loop().time())
 
-    async def publish_pending_events(self) -> None:
-        """Send cache events produced outside a step (a cache reset) right away."""
-        for rank in self.ranks:
-            events = rank.core.take_events()
-            if events and rank.encoder is not None and rank.publisher is not None:
-                await rank.publisher.publish(rank.encoder.encode(events, time.time()))
+    async def reset_prefix_cache(self) -> bool:
+        """Every rank's prefix cache (vLLM's and SGLang's resets are engine-wide), each
+        between two of its steps, its ``AllBlocksCleared`` published at once.
 
-    def reset_prefix_cache(self) -> bool:
-        """Every rank's prefix cache (vLLM's and SGLang's resets are engine-wide)."""
-        return all([r.core.reset_prefix_cache() for r in self.ranks])
+        A rank's driver computes a step, sleeps for the step's duration, then publishes the
+        step's events. A reset in that sleep (the step had finished the last request, so
+        nothing ran) published its clear first, and the step's stores and removals after
+        it, naming blocks the clear had dropped: the encoder's lookup failed, which killed
+        the driver, and the worker never stepped again (every later request to it hung)."""
+        ok = True
+        for rank in self.ranks:
+            async with rank.stepping:
+                ok = rank.core.reset_prefix_cache() and ok
+                events = rank.core.take_events()
+                if events and rank.encoder is not None and rank.publisher is not None:
+                    await rank.publisher.publish(rank.encoder.encode(events, time.time()))
+        return ok
 
     # -- internals -------------------------------------------------------------------------
 
@@ -497,14 +508,14 @@ class SimWorker:
                 rank.wake.clear()
                 await rank.wake.wait()
                 continue
-            res = core.step(loop.time())
+            async with rank.stepping:
+                res = core.step(loop.time())
+                if res.steps:
+                    await asyncio.sleep(max(0.0, res.end - loop.time()))
+                    await self._deliver(rank, res)
             if not res.steps:
                 rank.wake.clear()
                 await rank.wake.wait()
-                continue
-            delay = res.end - loop.time()
-            await asyncio.sleep(max(0.0, delay))
-            await self._deliver(rank, res)
 
     async def _deliver(self, rank: SimRank, res: StepResult) -> None:
         metrics = self.metrics
@@ -619,6 +630,14 @@ class SimWorker:
             gen._notify()
         rank.active.clear()
         rank.streaming.clear()
+
+
+def _driver_died(task: asyncio.Task[None]) -> None:
+    """A driver ends only when cancelled; an exception is a bug that stops the engine for
+    good (its requests hang), so it is logged at once, not when ``stop`` awaits it."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s stopped: the engine no longer steps", task.get_name(),
+                  exc_info=task.exception())  # fmt: skip
 
 
 def _abort_connections(runner: web.AppRunner, spare: Any) -> None:
