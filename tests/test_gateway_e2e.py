@@ -216,9 +216,10 @@ def test_streams_keep_their_worker_connection_alive(tmp_path: Path) -> None:
     it), and the next request paid a new one. Each stream's connection is seen while it
     streams: the one the first request opened serves them all, but for one more at most. The
     client has its answer before the relay has read the body's end, so its next request can
-    find that connection still draining (seen on a busy machine) and open a second; from then
-    on one of the two is free whenever a request starts (one stream at a time). A relay that
-    closed its connections opens one per stream: 20."""
+    find that connection still draining (seen on a busy machine) and open a second, and on a
+    loaded one (CI's parallel tests beside the stack, 2026-12-06) both were once still
+    draining when a request started, which opened a third. A relay that closed its
+    connections opens one per stream: 20."""
     from urllib.parse import urlsplit
 
     with Stack(StackConfig(workers=1, speedup=50, log_dir=tmp_path)) as s:
@@ -242,7 +243,7 @@ def test_streams_keep_their_worker_connection_alive(tmp_path: Path) -> None:
                     used |= held - before
                 pieces.extend(ch.text for ch in chunk.choices)
             assert "".join(pieces)
-        assert len(used) <= 2, f"{len(used)} new connections for 20 streams"
+        assert len(used) <= 3, f"{len(used)} new connections for 20 streams"
 
 
 def _sums(metrics: bytes, *names: str) -> list[float]:
