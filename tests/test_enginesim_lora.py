@@ -29,11 +29,12 @@ from worker_agent.engines.decode import BlockStored, decode_batch
 KEYER = BlockKeyer("sim-lora", 16)
 
 
-def make_core(max_loras: int = 1, load_ms: float = 20.0) -> EngineCore:
+def make_core(max_loras: int = 1, load_ms: float = 20.0, *, skip: bool = False) -> EngineCore:
     return EngineCore(
         CacheConfig(kv_blocks=1024, block_size=16),
         SchedulerConfig(),
         timing_model("mocker"),
+        skip_lora_waits=skip,
         lora=LoraConfig(["a", "b"], max_loras=max_loras, load_ms=load_ms),
     )
 
@@ -87,6 +88,30 @@ def test_a_slot_in_use_is_never_taken() -> None:
     core.advance(float("inf"))
     assert ra.finish_time is not None and rb.scheduled_time is not None
     assert rb.scheduled_time >= ra.finish_time  # b waited for a's slot
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_request_waiting_for_a_slot_holds_back_the_queue_only_on_sglang(skip: bool) -> None:
+    """vLLM skips a waiting request whose adapter would exceed max_loras and schedules the
+    ones behind it; SGLang's batch stops at it (each engine's scheduler, see the module)."""
+    core = make_core(max_loras=1, skip=skip)
+    ra = core.add_request(prompt(64, 1), 50, 0.0, lora="a")  # holds the one slot a while
+    rb1 = core.add_request(prompt(64, 2), 2, 0.0, lora="b")
+    rb2 = core.add_request(prompt(64, 3), 2, 0.0, lora="b")
+    ra2 = core.add_request(prompt(64, 4), 2, 0.0, lora="a")  # behind b, on a's slot
+    rbase = core.add_request(prompt(64, 5), 2, 0.0)  # the base model needs no slot
+    core.advance(float("inf"))
+    done = (ra, rb1, rb2, ra2, rbase)
+    assert all(r.finish_time is not None and r.scheduled_time is not None for r in done)
+    assert ra.finish_time is not None and rb1.scheduled_time is not None
+    assert rb1.scheduled_time >= ra.finish_time  # b waits for a's slot either way
+    assert rb1.scheduled_time <= rb2.scheduled_time  # and the skipped keep their order
+    assert ra2.scheduled_time is not None and rbase.scheduled_time is not None
+    if skip:  # vLLM: the requests behind b run beside a
+        assert ra2.scheduled_time < ra.finish_time and rbase.scheduled_time < ra.finish_time
+    else:  # SGLang: nothing passes b
+        assert ra2.scheduled_time >= rb1.scheduled_time
+        assert rbase.scheduled_time >= rb1.scheduled_time
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

@@ -22,6 +22,10 @@ Policy (vLLM V1's unified scheduler, simplified):
   prefix's first computation reuses it), or when its prefill completes (SGLang, and a
   request whose KV another engine prefilled); blocks of generated tokens when it finishes
   (``cache_outputs``).
+* LoRA: a batch holds at most ``max_loras`` adapters (the base model needs none). A waiting
+  request whose adapter would exceed that waits; vLLM (``skip_lora_waits``) skips it and
+  schedules the requests behind it (``Scheduler.schedule``: "Scheduling would exceed
+  max_loras, skip"), SGLang stops the batch there (``get_new_batch_prefill``: ``break``).
 * Output length is exactly ``max_tokens`` (as with ``ignore_eos``): load tests are
   deterministic. Generated token ids cycle through ``output_tokens``.
 * Bigram keys (``CacheConfig.bigram_keys``, SGLang with EAGLE/MTP): the radix tree's atoms
@@ -165,12 +169,14 @@ class EngineCore:
         *,
         evict_whole_nodes: bool = False,
         commit_on_schedule: bool = False,
+        skip_lora_waits: bool = False,
         record_events: bool = True,
         output_tokens: Sequence[int] = (1,),
         lora: LoraConfig | None = None,
     ) -> None:
         self.block_size = cache.block_size
         self.commit_on_schedule = commit_on_schedule and not cache.bigram_keys
+        self.skip_lora_waits = skip_lora_waits
         self.cache_outputs = cache.cache_outputs
         self.bigram = cache.bigram_keys
         self._unkeyed = 1 if cache.bigram_keys else 0  # tokens with KV but no key atom
@@ -444,6 +450,7 @@ class EngineCore:
         n_dec: int,
     ) -> None:
         waiting = self._waiting
+        skipped: list[SimRequest] = []  # vLLM: adapter waits, kept in order at the head
         while (
             waiting
             and not self._blocked
@@ -451,6 +458,11 @@ class EngineCore:
             and self.num_running < self.sched.max_num_seqs
         ):
             req = waiting[0]
+            if req.lora is not None and not self.loras.can_acquire(req.lora):
+                if not self.skip_lora_waits:
+                    break  # SGLang: the batch stops at the first request it cannot add
+                skipped.append(waiting.popleft())
+                continue
             rest = req.prompt_len - self._cached_hint(req)
             if not self.sched.chunked_prefill and rest > budget and (chunks or n_dec):
                 break  # a whole prompt must fit; it gets a batch of its own later
@@ -466,6 +478,7 @@ class EngineCore:
             budget -= c
             if self.commit_on_schedule:  # before the next waiting request is matched
                 self._commit(req, c, now)
+        waiting.extendleft(reversed(skipped))
 
     def _cached_hint(self, req: SimRequest) -> int:
         """Cached prompt tokens of a waiting request (only needed without chunking)."""
@@ -477,8 +490,6 @@ class EngineCore:
     def _admit(self, req: SimRequest, now: float) -> bool:
         """Match, pin and reserve blocks for ``req``; False if the pool cannot hold it yet."""
         bs = self.block_size
-        if req.lora is not None and not self.loras.can_acquire(req.lora):
-            return False  # every slot's adapter is in use: wait for one to finish
         m = self.cache.match(self._key(req), self._max_match(req.prompt_len), req.lora)
         need = self._blocks_for(req.prompt_len + req.max_tokens - 1) - m.blocks
         free = self.allocator.num_free

@@ -484,6 +484,7 @@ class SimWorker:
             timing,
             evict_whole_nodes=cfg.evict_whole_nodes,
             commit_on_schedule=cfg.flavor == "vllm",
+            skip_lora_waits=cfg.flavor == "vllm",
             record_events=cfg.events.enabled,
             output_tokens=self.codec.output_ids,
             lora=cfg.lora,
