@@ -371,7 +371,7 @@ class Proxy:
         m = self.metrics
         ws = m.worker(pool.name, wid)
         self.registry.on_send(wid)
-        ticket = router.started(decision, prep.prompt_tokens, self.clock())
+        ticket = router.started(decision, prep.prompt_tokens, self.clock(), prep.adapter)
         ws.inflight.inc()
         m.gateway_inflight.inc()
         # One deadline covers the response headers and the first body chunk: engines send
@@ -637,7 +637,7 @@ class Proxy:
         if entry.info is not None and entry.info.dp_rank is not None:
             body, headers = pin_rank(entry.info.engine, entry.info.dp_rank, body, {}, headers)
         self.registry.on_send(wid)
-        ticket = router.started(decision, prep.prompt_tokens, self.clock())
+        ticket = router.started(decision, prep.prompt_tokens, self.clock(), prep.adapter)
         m.inflight.labels(pool.name, wid).inc()
         try:
             try:

@@ -79,6 +79,50 @@ def test_slots_evict_the_least_recently_used_adapter() -> None:
     assert cat.loaded_on("w") == ["b", "c"] and cat.served_by("w") == ["a", "b", "c"]
 
 
+def test_a_worker_whose_slots_other_adapters_fill_is_left_out_until_one_drains() -> None:
+    """vLLM skips a request whose adapter would exceed its slots, so on a worker whose
+    requests in flight use every slot with other adapters it waits for one to drain: such a
+    worker is not a candidate while another is, even holding the request's whole prefix."""
+    r = router(configured=("sql", "legal", "chat"))
+    for w in WORKERS:
+        r.adapters.report(w, [], slots=2)
+    tokens = list(range(5000, 5000 + 500 * BS))  # 8,000 tokens: seconds of prefill elsewhere
+    keys = KEYER.keys(tokens, KEYER.adapter_root("chat"))
+    r.index.stored("w0", None, keys)  # w0 holds the chat adapter's prefix
+    assert r.route(keys, len(tokens), 0.0, adapter="chat").worker == "w0"
+    held = [
+        r.started(r.route([], 16, 0.0, adapter=a, exclude=WORKERS[1:]), 16, 0.0, a)
+        for a in ("sql", "legal")
+    ]
+    # without the slots in the picture w0 is still the best score by far
+    plain = router(configured=("sql", "legal", "chat"))
+    plain.index.stored("w0", None, keys)
+    for a in ("sql", "legal"):
+        plain.started(plain.route([], 16, 0.0, adapter=a, exclude=WORKERS[1:]), 16, 0.0)
+    assert plain.route(keys, len(tokens), 0.0, adapter="chat").worker == "w0"
+    assert r.adapters.crowded("chat", WORKERS) == {"w0"}
+    assert r.adapters.crowded("sql", WORKERS) == set()  # sql's own requests share its slot
+    for t in range(10):
+        assert r.route(keys, len(tokens), 0.01 * t, adapter="chat", dry_run=True).worker != "w0"
+    assert r.route([], 100, 0.2).worker in WORKERS  # the base model needs no slot
+    # every other worker gone: better to wait on w0 than to answer 503
+    assert r.route(keys, len(tokens), 0.2, adapter="chat", exclude=WORKERS[1:]).worker == "w0"
+    r.finished(held[0], 0.3)  # sql drains: a slot frees up
+    assert r.adapters.crowded("chat", WORKERS) == set()
+    assert r.route(keys, len(tokens), 0.3, adapter="chat").worker == "w0"
+    r.finished(held[1], 0.4)
+    r.finished(held[1], 0.4)  # a second end of one request never goes below zero
+    assert not r.adapters._workers["w0"].busy
+    silent = AdapterCatalog(["sql", "chat"])  # an engine that never said its slots
+    silent.add_worker("s")
+    silent.begin("s", "sql")
+    assert silent.crowded("chat", ["s"]) == set()
+    silent.report("s", None, slots=1)
+    assert silent.crowded("chat", ["s"]) == {"s"}
+    r.remove_worker("w0")
+    r.adapters.end("w0", "sql")  # a request ending after its worker left
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     loaded=st.sets(st.sampled_from(WORKERS)),

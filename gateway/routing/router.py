@@ -48,6 +48,7 @@ class Ticket:
     rid: int
     decision: Decision
     sent_at: float
+    adapter: str | None = None  # the LoRA adapter whose slot it occupies
 
 
 class Router:
@@ -163,9 +164,17 @@ class Router:
             self.loads.bind_bits(index.bit)
         masks = index.match_masks(keys) if self.policy.uses_index and keys else []
         excluded = frozenset(exclude)
+        trust = frozenset(untrusted)
         if adapter is not None:
             excluded |= self.adapters.not_serving(adapter)
-        pool = PoolView.from_masks(self.loads, masks, excluded, frozenset(untrusted))
+            # where other adapters fill every slot, the request would wait for one to drain
+            # (adapters.py): such workers are left out while any other can take it
+            crowded = self.adapters.crowded(adapter, self.loads.workers()) - excluded
+            if crowded:
+                pool = PoolView.from_masks(self.loads, masks, excluded | crowded, trust)
+                if pool.size:
+                    excluded |= crowded
+        pool = PoolView.from_masks(self.loads, masks, excluded, trust)
         if not pool.size:
             raise NoCandidates("no healthy worker")
         if adapter is not None:
@@ -207,8 +216,12 @@ class Router:
                     index.speculate(decision.worker, keys, now, start=start)
         return decision
 
-    def started(self, decision: Decision, prompt_tokens: int, now: float) -> Ticket:
-        """The request was sent to ``decision.worker``."""
+    def started(
+        self, decision: Decision, prompt_tokens: int, now: float, adapter: str | None = None
+    ) -> Ticket:
+        """The request was sent to ``decision.worker`` (for LoRA ``adapter``, if any)."""
+        if adapter is not None:
+            self.adapters.begin(decision.worker, adapter)
         uncached = max(prompt_tokens - decision.matched_tokens, 1)
         cached = max(prompt_tokens - uncached, 0)
         rid = self.loads.started(decision.worker, uncached, now, cached)
@@ -221,7 +234,7 @@ class Router:
             self.journal.append((START, rid, decision.worker, uncached, cached, arrival))
             if self.on_start is not None:
                 self.on_start()
-        return Ticket(rid, decision, now)
+        return Ticket(rid, decision, now, adapter)
 
     def first_token(self, ticket: Ticket, now: float) -> None:
         """The first token arrived: the request's prefill is done."""
@@ -236,5 +249,7 @@ class Router:
     def finished(self, ticket: Ticket, now: float) -> None:
         """The request ended (success, error or cancellation)."""
         self.loads.finished(ticket.rid)
+        if ticket.adapter is not None:
+            self.adapters.end(ticket.decision.worker, ticket.adapter)
         if self.journal is not None:
             self.journal.append((END, ticket.rid, "", 0, 0, 0))
