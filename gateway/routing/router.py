@@ -165,6 +165,7 @@ class Router:
         masks = index.match_masks(keys) if self.policy.uses_index and keys else []
         excluded = frozenset(exclude)
         trust = frozenset(untrusted)
+        pool = None
         if adapter is not None:
             excluded |= self.adapters.not_serving(adapter)
             # where other adapters fill every slot, the request would wait for one to drain
@@ -172,9 +173,10 @@ class Router:
             crowded = self.adapters.crowded(adapter, self.loads.workers()) - excluded
             if crowded:
                 pool = PoolView.from_masks(self.loads, masks, excluded | crowded, trust)
-                if pool.size:
-                    excluded |= crowded
-        pool = PoolView.from_masks(self.loads, masks, excluded, trust)
+                if not pool.size:
+                    pool = None
+        if pool is None:
+            pool = PoolView.from_masks(self.loads, masks, excluded, trust)
         if not pool.size:
             raise NoCandidates("no healthy worker")
         if adapter is not None:
