@@ -198,8 +198,9 @@ class PlacementFeed:
             if len(notes) > self.max_pending:
                 self.stats.notes_dropped += len(notes) - self.max_pending
                 del notes[: len(notes) - self.max_pending]
-            out.append(Journal(name, list(notes)))
+            out.append(Journal(name, list(notes), list(r.journal_adapters)))
             notes.clear()
+            r.journal_adapters.clear()
         return out
 
     def _journal(self, on: bool) -> None:
@@ -213,6 +214,7 @@ class PlacementFeed:
             elif not on and r.journal is not None:
                 self.stats.notes_dropped += len(r.journal)
                 r.journal = None
+                r.journal_adapters.clear()
                 r.on_start = None
 
     def _nudge(self) -> None:
@@ -313,7 +315,7 @@ class PlacementFeed:
         for j in batch.journals:
             router = self.routers.get(j.name)
             if router is not None:  # a pool this replica does not serve: nothing to count
-                self.remote.apply(batch.origin, j.name, router, j.notes, now)
+                self.remote.apply(batch.origin, j.name, router, j.notes, now, j.adapters)
         return len(batch.items)
 
     async def _read_loop(self) -> None:

@@ -22,6 +22,7 @@ from gateway.contract.wire import (
     encode_placements,
 )
 from gateway.placements import PlacementFeed
+from gateway.routing.adapters import AdapterCatalog
 from gateway.routing.index import ShadowIndex
 from gateway.routing.policy import make_policy
 from gateway.routing.remote import RemoteRequests
@@ -413,3 +414,86 @@ async def test_a_requests_start_reaches_the_other_replicas_without_waiting_for_t
         for bus in buses:
             await bus.close()
     assert rb.on_start is None and rb.journal is None
+
+
+class _OldJournal(msgspec.Struct, array_like=True):
+    """``Journal`` as replicas before the adapters' slots sent and read it."""
+
+    name: str
+    notes: list[tuple[int, int, str, int, int, int]]
+
+
+class _OldPlacements(msgspec.Struct, array_like=True):
+    v: int
+    origin: str
+    items: list[Placement]
+    journals: list[_OldJournal] = []
+
+
+def _lora_router(*workers: str) -> Router:
+    """A router whose workers serve adapters and keep two loaded at once (vLLM's report)."""
+    adapters = AdapterCatalog(["sql", "legal", "chat", "x", "y"])
+    router = Router(make_policy("prefix"), block_size=1, index=_index(*workers), adapters=adapters)
+    for w in workers:
+        router.add_worker(w)
+        adapters.report(w, [], slots=2)
+    return router
+
+
+def test_remote_requests_fill_their_adapters_slots_until_they_end() -> None:
+    """A remote START for a LoRA adapter occupies that adapter's slot on its worker here
+    (vLLM keeps a third adapter waiting there), so this replica sends a third adapter
+    elsewhere; the slot frees at the request's END, its TTL or its origin's silence."""
+    router = _lora_router("w1", "w2")
+    remote = RemoteRequests(ttl=10.0)
+    notes = [(START, 1, "w1", 16, 0, -1), (START, 2, "w1", 16, 0, -1), (START, 3, "w2", 16, 0, -1)]
+    remote.apply("a", "pool", router, notes, 1.0, [(1, "sql"), (2, "legal")])
+    assert router.adapters.crowded("chat", ["w1", "w2"]) == {"w1"}
+    assert router.adapters.crowded("sql", ["w1", "w2"]) == set()  # its own slot is taken
+    router.index.stored("w1", None, CHAIN)  # w1 holds chat's whole prompt: still left out
+    for t in range(5):
+        d = router.route(CHAIN, len(CHAIN), 1.0 + t, adapter="chat", dry_run=True)
+        assert d.worker == "w2"
+    remote.apply("a", "pool", router, [(END, 2, "", 0, 0, 0)], 2.0)
+    assert router.adapters.crowded("chat", ["w1", "w2"]) == set()
+    remote.apply("b", "pool", router, [(START, 7, "w2", 16, 0, -1), (START, 8, "w2", 16, 0, -1)],
+                 3.0, [(7, "x"), (8, "y"), (99, "z")])  # fmt: skip
+    assert router.adapters.crowded("chat", ["w1", "w2"]) == {"w2"}
+    assert remote.forget("b") == 2  # b fell silent: its slots free
+    assert router.adapters.crowded("chat", ["w1", "w2"]) == set()
+    assert remote.expire(11.0) == 2  # a's START 1 (sql) and 3, their ENDs lost
+    assert not router.adapters._workers["w1"].busy and not router.adapters._workers["w2"].busy
+
+
+async def test_replicas_share_the_adapter_slots_their_requests_fill() -> None:
+    """End to end over two feeds: b's requests for two adapters fill w1's two slots in a's
+    view from the next batch; b's journal carries them beside the notes; at their end a
+    sends a third adapter to w1 again. A batch of the older shape (no adapters) still reads,
+    and a reader of the older shape still reads the notes of a new batch."""
+    now = [100.0]
+    bus = MemoryBus()
+    ra, rb = _lora_router("w1", "w2"), _lora_router("w1", "w2")
+    a = PlacementFeed(bus, ra.index, origin="a", clock=lambda: now[0], routers={"p": ra})
+    b = PlacementFeed(bus, rb.index, origin="b", clock=lambda: now[0], routers={"p": rb})
+    rb.journal = []
+    d = rb.route([], 16, now=now[0], exclude=["w2"])
+    tickets = [rb.started(d, 16, now[0], adapter) for adapter in ("sql", "legal")]
+    rb.started(rb.route([], 16, now=now[0], exclude=["w1"]), 16, now[0])  # no adapter
+    assert rb.journal_adapters == [(tickets[0].rid, "sql"), (tickets[1].rid, "legal")]
+    (journal,) = b.take_journals()
+    assert journal.adapters == [(tickets[0].rid, "sql"), (tickets[1].rid, "legal")]
+    assert rb.journal == [] and rb.journal_adapters == []
+    a.adopt(encode_placements(Placements(PROTOCOL_VERSION, "b", [], [journal])), "b")
+    assert ra.adapters.crowded("chat", ["w1", "w2"]) == {"w1"}
+    ra.index.stored("w1", None, CHAIN)
+    assert ra.route(CHAIN, len(CHAIN), now[0], adapter="chat", dry_run=True).worker == "w2"
+
+    for t in tickets:
+        rb.finished(t, now[0])
+    (ends,) = b.take_journals()
+    new = encode_placements(Placements(PROTOCOL_VERSION, "b", [], [ends]))
+    old = msgspec.msgpack.decode(new, type=_OldPlacements)
+    assert old.journals[0].notes == ends.notes  # an older replica reads the notes
+    a.adopt(msgspec.msgpack.encode(old), "b")  # a batch of the older shape
+    assert ra.adapters.crowded("chat", ["w1", "w2"]) == set() and a.remote.stats.ended == 2
+    assert ra.route(CHAIN, len(CHAIN), now[0], adapter="chat", dry_run=True).worker == "w1"

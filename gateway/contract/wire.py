@@ -142,10 +142,13 @@ class Placement(msgspec.Struct, array_like=True, frozen=True):
 class Journal(msgspec.Struct, array_like=True, frozen=True):
     """One router's requests since the last batch (``Router.journal``): ``name`` is its pool
     (``pool`` or ``pool/decode``), each note ``(kind, rid, worker, uncached, cached,
-    arrival)`` as ``gateway.routing.router.Note`` describes."""
+    arrival)`` as ``gateway.routing.router.Note`` describes; ``adapters``: ``(rid,
+    adapter)`` of its STARTs for a LoRA adapter (``Router.journal_adapters``). Appended
+    last and defaulted, so a replica of either version reads the other's batches."""
 
     name: str
     notes: list[tuple[int, int, str, int, int, int]]
+    adapters: list[tuple[int, str]] = []
 
 
 class Placements(msgspec.Struct, array_like=True, frozen=True):

@@ -10,7 +10,9 @@ Each replica's routers journal their requests (``Router.journal``: start, first 
 and the popularity key the route observed); the placements feed carries the journals to the
 other replicas, where this class applies them: a remote start is a ``LoadTracker.started``
 on the same worker (not journalled again), its first token and end follow it, its arrival
-is a ``PrefixPopularity`` observation. Pure: time is an argument, no I/O.
+is a ``PrefixPopularity`` observation, and a start for a LoRA adapter occupies that
+adapter's slot on the worker (``AdapterCatalog.begin``) until it ends, so no replica sends a
+third adapter to a worker whose slots the others' requests fill. Pure: time is an argument, no I/O.
 
 Nothing here may leak when a note is lost (the bus down, a trimmed stream, a replica that
 died mid-request): a remote request ends at its END, when its origin falls silent
@@ -20,6 +22,7 @@ died mid-request): a remote request ends at its END, when its origin falls silen
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.routing.router import END, FIRST, START, Note, Router
@@ -41,6 +44,13 @@ class _Remote:
     router: Router
     rid: int  # this replica's handle in ``router.loads``
     at: float
+    worker: str = ""
+    adapter: str | None = None  # the LoRA adapter whose slot it occupies
+
+    def end(self) -> None:
+        self.router.loads.finished(self.rid)
+        if self.adapter is not None:
+            self.router.adapters.end(self.worker, self.adapter)
 
 
 @dataclass
@@ -56,11 +66,21 @@ class RemoteRequests:
     def __len__(self) -> int:
         return len(self._live)
 
-    def apply(self, origin: str, name: str, router: Router, notes: list[Note], now: float) -> None:
+    def apply(
+        self,
+        origin: str,
+        name: str,
+        router: Router,
+        notes: list[Note],
+        now: float,
+        adapters: Sequence[tuple[int, str]] = (),
+    ) -> None:
         """One journal of ``origin``'s router ``name`` (this replica's ``router`` of the same
-        pool and role). A START on a worker this router does not know is skipped."""
+        pool and role); ``adapters``: the LoRA adapter of its STARTs that have one, by rid.
+        A START on a worker this router does not know is skipped."""
         loads, pop, st = router.loads, router.ctx.popularity, self.stats
         known = loads.members()
+        lora = dict(adapters) if adapters else None
         for kind, rid, worker, uncached, cached, arrival in notes:
             key = (origin, name, rid)
             if kind == START:
@@ -73,7 +93,10 @@ class RemoteRequests:
                 if worker not in known or key in self._live:
                     continue
                 local = loads.started(worker, max(uncached, 1), now, max(cached, 0))
-                self._live[key] = _Remote(router, local, now)
+                adapter = lora.get(rid) if lora is not None else None
+                if adapter is not None:
+                    router.adapters.begin(worker, adapter)
+                self._live[key] = _Remote(router, local, now, worker, adapter)
                 self._order.append((now, key))
                 st.started += 1
             elif kind == FIRST:
@@ -87,7 +110,7 @@ class RemoteRequests:
                 if r is None:
                     st.unknown += 1
                 else:
-                    r.router.loads.finished(r.rid)
+                    r.end()
                     st.ended += 1
 
     def expire(self, now: float) -> int:
@@ -99,7 +122,7 @@ class RemoteRequests:
             r = self._live.get(key)
             if r is not None and r.at == at:
                 del self._live[key]
-                r.router.loads.finished(r.rid)
+                r.end()
                 n += 1
         self.stats.expired += n
         return n
@@ -108,7 +131,6 @@ class RemoteRequests:
         """End every request of ``origin`` (it fell silent: it died, or its notes are lost)."""
         gone = [k for k in self._live if k[0] == origin]
         for k in gone:
-            r = self._live.pop(k)
-            r.router.loads.finished(r.rid)
+            self._live.pop(k).end()
         self.stats.expired += len(gone)
         return len(gone)

@@ -94,6 +94,11 @@ class Router:
         #: (gateway/placements.py): their load views and prefix rates then count the
         #: requests this replica sent, as one gateway's would
         self.journal: list[Note] | None = None
+        #: (rid, adapter) of the journaled STARTs that occupy a LoRA slot, beside
+        #: ``journal`` (a Note has no field for it; the wire carries it apart, so replicas
+        #: of an older version still read the notes): the others then count the slots this
+        #: replica's requests fill (``AdapterCatalog.crowded``)
+        self.journal_adapters: list[tuple[int, str]] = []
         #: called after a START is journaled: the placements feed sends it at once, since
         #: the others route on top of this request until they count it (offline, a 20 ms
         #: wait raised hot-prefix-8's p99 by up to a fifth)
@@ -234,6 +239,8 @@ class Router:
             else:
                 arrival = -2
             self.journal.append((START, rid, decision.worker, uncached, cached, arrival))
+            if adapter is not None:
+                self.journal_adapters.append((rid, adapter))
             if self.on_start is not None:
                 self.on_start()
         return Ticket(rid, decision, now, adapter)
