@@ -152,3 +152,66 @@ def get_json(url: str, token: str) -> tuple[int, Any]:
     req = urllib.request.Request(url, headers={"authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=10) as resp:
         return resp.status, json.loads(resp.read())
+
+
+def test_a_worker_whose_slot_another_adapters_stream_holds_is_left_out(stack: Stack) -> None:
+    """Every engine keeps one adapter loaded at once (``max_loras=1``) and reports it. While a
+    "sql" stream runs on the only worker holding two "chat" prompts, vLLM would keep a
+    "chat" request there waiting for the stream to end: the gateway sends "chat" elsewhere,
+    whatever that worker's cache, and sends it back there once the stream has ended."""
+    home, url = stack.worker_id(0), stack.worker_urls[0]
+    text, other, sql = prompt(7, 6000), prompt(9, 400), prompt(11, 6000)
+    for model, seeded in (("chat", text), ("chat", other), ("sql", sql)):
+        status, _, body = request(url + "/v1/completions", {"model": model, "prompt": seeded})
+        assert status == 200, body  # straight to the engine: only ``home`` holds them
+
+    def known() -> bool:
+        chat, sqlr = route(stack, "chat", text), route(stack, "sql", sql)
+        return chat["worker"] == sqlr["worker"] == home and chat["matched_tokens"] > 0
+
+    assert wait_for(known, 10.0) is not None, json.dumps(
+        [route(stack, "chat", text), route(stack, "sql", sql)]
+    )
+    ended = time.time()
+    assert wait_for(lambda: idle_since(stack, ended), 10.0) is not None
+    stream = open_stream(stack, "sql", sql + " and then")
+    try:
+        assert stream.headers["x-kvroute-worker"] == home  # drawn by its cache
+        assert stream.read(1)  # the stream runs: its adapter holds home's one slot
+        for _ in range(3):
+            assert route(stack, "chat", text)["worker"] != home
+        assert complete(stack, "chat", other)[0] != home
+        assert route(stack, "sql", sql)["worker"] == home  # sql's requests share its slot
+    finally:
+        stream.close()  # the gateway ends it upstream: the slot frees
+    assert wait_for(lambda: _inflight(stack, home) == 0, 10.0) is not None
+    back = route(stack, "chat", text)
+    assert back["worker"] == home and back["matched_tokens"] > 0, json.dumps(back)
+
+
+def open_stream(stack: Stack, model: str, text: str) -> Any:
+    """A streamed completion long enough to outlast the test's requests, opened, not read."""
+    req = urllib.request.Request(
+        stack.gateway_urls[0] + "/v1/completions",
+        data=json.dumps(
+            {"model": model, "prompt": text, "max_tokens": 4000, "stream": True}
+        ).encode(),
+        headers={"content-type": "application/json"},
+    )
+    return urllib.request.urlopen(req, timeout=30)
+
+
+def route(stack: Stack, model: str, text: str) -> Any:
+    """The gateway's decision for a completion of ``text`` (``/debug/route``, a dry run)."""
+    req = urllib.request.Request(
+        stack.gateway_urls[0] + "/debug/route",
+        data=json.dumps({"model": model, "prompt": text, "max_tokens": 2}).encode(),
+        headers={"content-type": "application/json", "authorization": f"Bearer {ADMIN_KEY}"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _inflight(stack: Stack, worker: str) -> int:
+    _, listing = get_json(stack.gateway_urls[0] + "/workers", ADMIN_KEY)
+    return next(w["inflight"] for w in listing["workers"] if w["worker_id"] == worker)
