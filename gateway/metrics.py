@@ -73,7 +73,8 @@ class GatewayMetrics:
         )
         self.responses = Counter(
             "kvroute_responses",
-            "Responses sent to clients by status class (2xx, 4xx, 5xx): the SLO's denominator",
+            "Responses sent to clients by status class (2xx, 4xx, 5xx): the SLO's denominator "
+            "(a request whose client left before its answer ended is not one)",
             ["pool", "code"],
             registry=r,
         )

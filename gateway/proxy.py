@@ -322,10 +322,11 @@ class Proxy:
                 self.metrics.retries.labels(pool.name, failed, exc.cause).inc()
                 log.info("retrying request away from %s: %s", failed, exc)
                 continue
-            except asyncio.CancelledError:
-                # the client left; if the worker's usage was read, its answer was whole (the
-                # client left once it had it, aiohttp cancelling the handler at any await
-                # after): the request was served, and counts as such
+            except (asyncio.CancelledError, ConnectionResetError):
+                # the client left (aiohttp cancels the handler, or a write to its closing
+                # connection fails first); if the worker's usage was read, its answer was
+                # whole (the client left once it had it): the request was served, and counts
+                # as such
                 if USAGE in request:
                     self._served(request, pool, prep, decision, decode, exclude, session_key,
                                  now, 200)  # fmt: skip

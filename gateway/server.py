@@ -806,6 +806,10 @@ def build_metrics_app(gw: Gateway) -> web.Application:
     return app
 
 
+#: the status of a request whose client left (nginx's "client closed request"): never sent
+CLIENT_CLOSED = 499
+
+
 def _middleware(gw: Gateway) -> Any:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -814,7 +818,7 @@ def _middleware(gw: Gateway) -> Any:
         request[POOL] = ""
         request[ERRORS] = "openai"
         response = await _answer(request, handler)
-        if request.path.startswith(_API_PATHS):
+        if request.path.startswith(_API_PATHS) and response.status != CLIENT_CLOSED:
             gw.metrics.responses.labels(request[POOL], f"{response.status // 100}xx").inc()
         return response
 
@@ -850,8 +854,15 @@ def _middleware(gw: Gateway) -> Any:
                 content_type="application/json",
                 headers={"x-request-id": request[REQUEST_ID]},
             )
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             raise
+        except ConnectionResetError:
+            # the client left while its answer was being written, before aiohttp cancelled
+            # the handler (the proxy has closed the worker's side by now): nothing can reach
+            # the client, and aiohttp's write of this answer fails quietly. Not a gateway
+            # error, and not a response (as when aiohttp cancels the handler first).
+            log.debug("client left during %s %s", request.method, request.path)
+            return web.Response(status=CLIENT_CLOSED)
         except Exception:
             log.exception("internal error on %s %s", request.method, request.path)
             gw.metrics.errors.labels(request[POOL], "500", "internal_error").inc()

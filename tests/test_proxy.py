@@ -6,15 +6,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.abc import AbstractResolver
 
-from gateway.config import ProxySettings
+from gateway.config import GatewayConfig, PoolSettings, ProxySettings, StaticWorker
 from gateway.proxy import Proxy, TimedResolver
+from gateway.server import Gateway, build_app
+from gateway.tokenization import bundled_test_tokenizer
 from loadtest.harness import free_port
 
 
@@ -70,8 +75,6 @@ async def test_timed_resolver_answers_through_the_default_one() -> None:
 async def test_drain_reads_a_finished_stream_to_its_end_and_gives_up_on_a_trickle() -> None:
     """After a stream's last event the proxy reads the body's end, so the connection is kept;
     a worker that keeps the body open past ``timeout`` is left (its connection closed)."""
-    from aiohttp import web
-
     from gateway.proxy import _drain
 
     async def stream(request: web.Request) -> web.StreamResponse:
@@ -114,12 +117,6 @@ async def test_a_client_that_leaves_after_its_whole_streamed_answer_was_served()
     precision), as when the client stays; before, the observation was lost. Here the whole
     answer comes in the worker's first chunk, which ends the client's body at once too (it
     used to wait for the worker's end)."""
-    from aiohttp import web
-
-    from gateway.config import GatewayConfig, PoolSettings, StaticWorker
-    from gateway.server import Gateway, build_app
-    from gateway.tokenization import bundled_test_tokenizer
-
     held = asyncio.Event()
 
     async def completion(request: web.Request) -> web.StreamResponse:
@@ -139,26 +136,7 @@ async def test_a_client_that_leaves_after_its_whole_streamed_answer_was_served()
             await resp.write_eof()
         return resp
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    engine = web.Application()
-    engine.router.add_post("/v1/completions", completion)
-    engine.router.add_get("/health", health)
-    engine_runner = web.AppRunner(engine)
-    await engine_runner.setup()
-    engine_port = free_port()
-    await web.TCPSite(engine_runner, "127.0.0.1", engine_port).start()
-    pool = PoolSettings(
-        model="m",
-        tokenizer=str(bundled_test_tokenizer()),
-        static_workers=[StaticWorker(f"http://127.0.0.1:{engine_port}", "w1")],
-    )
-    gw = Gateway(GatewayConfig(pools=[pool]))
-    runner = web.AppRunner(build_app(gw), handler_cancellation=True)  # as kvroute gateway
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    gw, port, runners = await _gateway_over(completion)
     loop = asyncio.get_running_loop()
     try:
         body = {"model": "m", "prompt": "hello there", "max_tokens": 1, "stream": True,
@@ -177,8 +155,8 @@ async def test_a_client_that_leaves_after_its_whole_streamed_answer_was_served()
             await asyncio.sleep(0.01)
         assert gw.registry.trust.tallies["w1"].reported_any is False  # cached 0, predicted 0
     finally:
-        await runner.cleanup()
-        await engine_runner.cleanup()
+        for r in runners:
+            await r.cleanup()
 
 
 async def test_an_sglang_pair_whose_client_leaves_after_its_answer_still_reads_the_prefill() -> (
@@ -252,3 +230,83 @@ async def test_an_sglang_pair_whose_client_leaves_after_its_answer_still_reads_t
     with pytest.raises(asyncio.CancelledError):
         await caller[0]
     assert halves == {"prefill": "cancelled"} and not proxy._prefills
+
+
+async def test_a_client_that_leaves_mid_stream_is_no_gateway_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The client closes its connection while the worker is still streaming. When the
+    proxy's next write to it fails before aiohttp cancels the handler (a race under load;
+    made certain here by running without handler cancellation), that is the client leaving:
+    the worker's side is closed at once (the engine stops generating), the request leaves
+    the load view, the worker is not blamed, and nothing is logged as a gateway error (it
+    was an ERROR with a traceback from aiohttp, measured on the trace-production preset)."""
+    engine_saw_the_end = asyncio.Event()
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        event = {"choices": [{"index": 0, "text": "token ", "finish_reason": None}]}
+        try:
+            for _ in range(2000):  # bounded: 20 s at most
+                await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                await asyncio.sleep(0.01)
+        except ConnectionResetError:  # the gateway closed its side: stop generating
+            engine_saw_the_end.set()
+        return resp
+
+    gw, port, runners = await _gateway_over(completion, handler_cancellation=False)
+    try:
+        body = {"model": "m", "prompt": "hello there", "max_tokens": 2000, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+            assert resp.status == 200, await resp.text()
+            assert b"data: " in await resp.content.readany()
+            resp.close()  # the client leaves mid-stream
+        await asyncio.wait_for(engine_saw_the_end.wait(), 5.0)
+        router = gw.pools[0].router
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5.0
+        while router.loads.inflight_total():
+            assert loop.time() < deadline, "the request never left the load view"
+            await asyncio.sleep(0.01)
+        assert gw.registry.workers["w1"].circuit.failures == 0
+        exposition = gw.metrics.exposition().decode()
+        assert 'code="5xx"' not in exposition and 'code="4xx"' not in exposition
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not errors, [r.getMessage() for r in errors]
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
+async def _gateway_over(
+    completion: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    *,
+    handler_cancellation: bool = True,
+) -> tuple[Gateway, int, list[web.AppRunner]]:
+    """An engine answering ``/v1/completions`` with ``completion`` and a gateway in front of
+    it (handler cancellation on, as ``kvroute gateway`` runs), both on loopback: the gateway,
+    its port, and the runners to clean up (the gateway's first)."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    engine = web.Application()
+    engine.router.add_post("/v1/completions", completion)
+    engine.router.add_get("/health", health)
+    engine_runner = web.AppRunner(engine)
+    await engine_runner.setup()
+    engine_port = free_port()
+    await web.TCPSite(engine_runner, "127.0.0.1", engine_port).start()
+    pool = PoolSettings(
+        model="m",
+        tokenizer=str(bundled_test_tokenizer()),
+        static_workers=[StaticWorker(f"http://127.0.0.1:{engine_port}", "w1")],
+    )
+    gw = Gateway(GatewayConfig(pools=[pool]))
+    runner = web.AppRunner(build_app(gw), handler_cancellation=handler_cancellation)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return gw, port, [runner, engine_runner]
