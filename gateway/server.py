@@ -857,6 +857,8 @@ def _middleware(gw: Gateway) -> Any:
         except asyncio.CancelledError:
             raise
         except ConnectionResetError:
+            if request.transport is not None and not request.transport.is_closing():
+                raise  # not the client's connection: aiohttp logs it and answers 500
             # the client left while its answer was being written, before aiohttp cancelled
             # the handler (the proxy has closed the worker's side by now): nothing can reach
             # the client, and aiohttp's write of this answer fails quietly. Not a gateway

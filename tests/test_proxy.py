@@ -310,3 +310,34 @@ async def _gateway_over(
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return gw, port, [runner, engine_runner]
+
+
+async def test_a_connection_reset_while_the_client_is_connected_is_still_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only a reset of the client's own closing connection is the client leaving: one from
+    anywhere else, with the client still there, is answered 500 and logged."""
+
+    async def reset(request: web.Request) -> web.Response:
+        raise ConnectionResetError("a peer of the gateway reset its connection")
+
+    pool = PoolSettings(
+        model="m",
+        tokenizer=str(bundled_test_tokenizer()),
+        static_workers=[StaticWorker(f"http://127.0.0.1:{free_port()}", "w1")],
+    )
+    app = build_app(Gateway(GatewayConfig(pools=[pool])))
+    app.router.add_get("/v1/boom", reset)  # behind the gateway's middleware
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{port}/v1/boom") as resp,
+        ):
+            assert resp.status == 500
+        assert any(r.levelno >= logging.ERROR for r in caplog.records)
+    finally:
+        await runner.cleanup()

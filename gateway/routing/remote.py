@@ -12,7 +12,8 @@ other replicas, where this class applies them: a remote start is a ``LoadTracker
 on the same worker (not journalled again), its first token and end follow it, its arrival
 is a ``PrefixPopularity`` observation, and a start for a LoRA adapter occupies that
 adapter's slot on the worker (``AdapterCatalog.begin``) until it ends, so no replica sends a
-third adapter to a worker whose slots the others' requests fill. Pure: time is an argument, no I/O.
+third adapter to a worker whose slots the others' requests fill. Pure: time is an argument,
+no I/O.
 
 Nothing here may leak when a note is lost (the bus down, a trimmed stream, a replica that
 died mid-request): a remote request ends at its END, when its origin falls silent
