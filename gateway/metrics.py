@@ -102,7 +102,15 @@ class GatewayMetrics:
         self.agreed_cached = Counter(
             "kvroute_agreed_cached_tokens",
             "Per request min(predicted matched, reported cached) tokens: a worker's precision "
-            "is this over kvroute_predicted_matched_tokens, exact per request",
+            "is this over kvroute_checked_predicted_tokens, exact per request",
+            pw,
+            registry=r,
+        )
+        self.checked_predicted = Counter(
+            "kvroute_checked_predicted_tokens",
+            "Prompt tokens the index predicted cached on the chosen worker, of the requests "
+            "whose usage the engine reported (precision's denominator: a request that ends "
+            "without usage, e.g. its client left mid-stream, has no answer to check)",
             pw,
             registry=r,
         )

@@ -217,6 +217,7 @@ class Gateway:
 
     def _on_precision(self, pool: str, worker: str, predicted: int, agreed: int) -> None:
         self.metrics.agreed_cached.labels(pool, worker).inc(agreed)
+        self.metrics.checked_predicted.labels(pool, worker).inc(predicted)
 
     def _update_trust(self, now: float) -> None:
         stream = self.consumer.distrust() if self.consumer is not None else {}

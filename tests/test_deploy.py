@@ -969,6 +969,8 @@ def test_dashboard_and_alert_metrics_are_exported() -> None:
         "kvroute_delivered_cached_tokens_total",
         "kvroute_delivered_prompt_tokens_total",
         "kvroute_predicted_matched_tokens_total",
+        "kvroute_checked_predicted_tokens_total",
+        "kvroute_agreed_cached_tokens_total",
         "kvroute_prompt_tokens_total",
         "kvroute_ttft_seconds_bucket",
         "kvroute_requests_total",

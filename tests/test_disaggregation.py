@@ -29,7 +29,11 @@ from loadtest.stack import Stack, StackConfig, wait_for
 
 PREFILL = ["worker-0", "worker-1"]
 DECODE = ["worker-2", "worker-3"]
-PRECISION = ("kvroute_predicted_matched_tokens_total", "kvroute_agreed_cached_tokens_total")
+PRECISION = (
+    "kvroute_predicted_matched_tokens_total",
+    "kvroute_checked_predicted_tokens_total",
+    "kvroute_agreed_cached_tokens_total",
+)
 
 
 def prefill_hits(stack: Stack) -> dict[str, int]:
@@ -91,6 +95,9 @@ def test_pairs_are_routed_by_cache_and_each_half_predicted(tmp_path: Path, flavo
         # precision counts both halves: each worker's prediction against its own report
         predicted = stack.metric_sum("kvroute_predicted_matched_tokens_total")
         assert predicted == sum(r[0] + r[2] for r in rows) > 0
+        # every request reported its usage, so every prediction was checked
+        checked = lambda: stack.metric_sum("kvroute_checked_predicted_tokens_total")  # noqa: E731
+        assert wait_for(lambda: checked() == predicted, 10) is not None, (checked(), predicted)
         # SGLang's prefill half may end its answer after the decode half has answered the
         # client; the gateway reads it to the end (its usage) off the client's path
         agreed = lambda: stack.metric_sum("kvroute_agreed_cached_tokens_total")  # noqa: E731

@@ -341,3 +341,71 @@ async def test_a_connection_reset_while_the_client_is_connected_is_still_an_erro
         assert any(r.levelno >= logging.ERROR for r in caplog.records)
     finally:
         await runner.cleanup()
+
+
+async def test_precision_counts_only_the_predictions_the_engine_answered() -> None:
+    """Index precision is agreed over predicted tokens of the requests whose usage the
+    engine reported. A client that leaves mid-stream takes the answer with it: its
+    prediction is routed (``kvroute_predicted_matched_tokens_total``) but never checked, and
+    counting it read as imprecision (0.81 on a trace past capacity, where the load driver
+    cancels the runs' last requests)."""
+    calls: list[str] = []
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        calls.append(body["prompt"])
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        event = {"choices": [{"index": 0, "text": "token ", "finish_reason": None}]}
+        if len(calls) == 2:  # the second request streams until its client leaves
+            with contextlib.suppress(ConnectionResetError):
+                for _ in range(2000):  # bounded: 20 s at most
+                    await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                    await asyncio.sleep(0.01)
+            return resp
+        usage = {"prompt_tokens": 4096, "completion_tokens": 1, "total_tokens": 4097,
+                 "prompt_tokens_details": {"cached_tokens": 0 if len(calls) == 1 else 4096}}  # fmt: skip
+        for e in (event, {"choices": [], "usage": usage}):
+            await resp.write(b"data: " + json.dumps(e).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    gw, port, runners = await _gateway_over(completion)
+
+    def series(name: str) -> float:
+        total = 0.0
+        for line in gw.metrics.exposition().decode().splitlines():
+            if line.startswith(name + "{") and 'worker="w1"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    predicted = "kvroute_predicted_matched_tokens_total"
+    checked = "kvroute_checked_predicted_tokens_total"
+    agreed = "kvroute_agreed_cached_tokens_total"
+    prompt = " ".join(f"word{i}" for i in range(600))
+    body = {"model": "m", "prompt": prompt, "max_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    loop = asyncio.get_running_loop()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                assert r.status == 200 and b'"usage"' in await r.read()
+            # the gateway speculated the first prompt onto w1: the second is predicted cached
+            resp = await session.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+            assert resp.status == 200 and b"data: " in await resp.content.readany()
+            resp.close()  # the client leaves mid-stream: no usage
+            deadline = loop.time() + 5.0
+            while gw.pools[0].router.loads.inflight_total():
+                assert loop.time() < deadline, "the request never left the load view"
+                await asyncio.sleep(0.01)
+            left = series(predicted)
+            assert left > 0 and series(checked) == 0 == series(agreed)
+            async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                assert r.status == 200 and b'"usage"' in await r.read()
+        assert series(predicted) > left  # the third was predicted cached too
+        assert series(checked) == series(predicted) - left == series(agreed)  # precision 1
+        assert gw.registry.trust.precision("w1", gw.clock()) == 1.0
+        assert len(calls) == 3
+    finally:
+        for r in runners:
+            await r.cleanup()

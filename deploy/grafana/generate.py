@@ -298,14 +298,16 @@ def panels() -> list[dict[str, Any]]:
         24,
         7,
     )
-    agreed = ("kvroute_agreed_cached_tokens_total", "kvroute_predicted_matched_tokens_total")
+    agreed = ("kvroute_agreed_cached_tokens_total", "kvroute_checked_predicted_tokens_total")
     L.add(
         timeseries(
             "Index precision per worker",
             targets((hit_ratio(*agreed, "pool, worker", SEL), "{{worker}}")),
             "percentunit",
             "Per request min(predicted, engine-reported cached tokens), summed, over predicted "
-            "tokens: the share of the index's claims the engine confirmed. Exact per worker "
+            "tokens, of the requests whose usage the engine reported (one whose client left "
+            "mid-stream has nothing to check): the share of the index's claims the engine "
+            "confirmed. Exact per worker "
             "(an under-claim never hides an over-claim). Below trust.min_precision the worker "
             "is routed by load alone.",
             maximum=1,
