@@ -579,8 +579,8 @@ def search_max_rate(
 
 
 def p90_with_failures(ttfts_ms: Sequence[float], failed: int) -> float:
-    """p90 TTFT (the driver's linear rule) over ok requests plus ``failed`` infinitely slow
-    ones; inf when no request completed."""
+    """p90 TTFT (the driver's linear rule) over the requests with a TTFT plus ``failed``
+    infinitely slow ones (failed before a first token); inf when none had one."""
     xs = sorted(ttfts_ms) + [math.inf] * failed
     if not xs:
         return math.inf
@@ -698,11 +698,13 @@ def window_bound(stream: Stream, rate: float, cfg: CompareConfig) -> dict[str, A
 
 
 def _predicted_and_agreed(stack: Stack, replicas: int) -> tuple[float, float]:
-    """kvroute's predicted-cached and engine-agreed prompt tokens so far, over its replicas
-    (``kvroute_predicted_matched_tokens_total``, ``kvroute_agreed_cached_tokens_total``)."""
+    """kvroute's predicted-cached and engine-agreed prompt tokens so far, over its replicas,
+    of the requests whose usage the engines reported (``kvroute_checked_predicted_tokens_total``,
+    ``kvroute_agreed_cached_tokens_total``): a request the driver cancels at the end of a run
+    past capacity has no usage, and counting its prediction would read as imprecision."""
     predicted = agreed = 0.0
     for g in range(replicas):
-        predicted += stack.metric_sum("kvroute_predicted_matched_tokens_total", gateway=g)
+        predicted += stack.metric_sum("kvroute_checked_predicted_tokens_total", gateway=g)
         agreed += stack.metric_sum("kvroute_agreed_cached_tokens_total", gateway=g)
     return predicted, agreed
 
@@ -1081,8 +1083,6 @@ class _Runner:
             adopted: list[int] | None = None
             remote: list[int] | None = None
             if kvroute:  # the whole run: its gateways started with it, counters at zero
-                # (a window would split requests in flight at its start: predicted counted at
-                # their first token, agreed at their usage)
                 predicted, agreed = _predicted_and_agreed(stack, cfg.replicas)
                 if predicted > 0:
                     precision = round(agreed / predicted, 4)
@@ -1103,8 +1103,10 @@ class _Runner:
         )
         engine_prompt = sum(v["prompt_tokens"] for v in per_worker.values())
         engine_cached = sum(v["cached_tokens"] for v in per_worker.values())
-        ttfts = sorted(round(r.ttft * 1000, 2) for r in measured if r.ok and r.ttft is not None)
-        p90 = p90_with_failures(ttfts, s["failed"])
+        # TTFTs measured, the run's end cutting some after their first token (the driver's
+        # ``timed``); the rest failed before one (infinitely slow for the SLO's p90)
+        ttfts = sorted(round(r.ttft * 1000, 2) for r in measured if r.timed and r.ttft is not None)
+        p90 = p90_with_failures(ttfts, len(measured) - len(ttfts))
         return {
             "hit_rate": s["hit_rate"],
             "engine_hit_rate": round(engine_cached / engine_prompt, 4) if engine_prompt else 0.0,
@@ -1145,7 +1147,7 @@ class _Runner:
             "ttfts_ms": ttfts,
             # by request (the window's index; None: failed), so that systems pair up
             "ttft_by_request_ms": [
-                [r.index, round(r.ttft * 1000, 2) if r.ok and r.ttft is not None else None]
+                [r.index, round(r.ttft * 1000, 2) if r.timed and r.ttft is not None else None]
                 for r in sorted(measured, key=lambda r: r.index)
             ],
         }

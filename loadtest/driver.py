@@ -5,7 +5,10 @@ streamed, and is timed from send to first token (TTFT), between tokens (ITL) and
 Delivered cache hits come from the engine's ``usage.prompt_tokens_details.cached_tokens``.
 The run is bounded in requests and time and stops by itself: after ``max_duration`` no new
 request starts; after ``drain_timeout`` more, whatever is still running is cancelled and
-counted as failed.
+counted as failed. A request so cut after its first token still has its measured TTFT: the
+TTFT figures and goodput count it (``RequestRecord.timed``), so that a system whose slow
+requests are still running at the cut is not credited with dropping them from its
+percentiles; e2e, ITL and the hit rate (no usage) count completed requests only.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from tqdm import tqdm
 
 from loadtest.workloads import WorkItem
 
-__all__ = ["DriverConfig", "LoadResult", "RequestRecord", "run_load", "summarize"]
+__all__ = ["CUT", "DriverConfig", "LoadResult", "RequestRecord", "run_load", "summarize"]
+
+#: the error of a request still running when the run's drain timeout ends it
+CUT = "cancelled at the end of the run"
 
 Mode = Literal["chat", "completion", "completion_ids"]
 
@@ -65,6 +71,12 @@ class RequestRecord:
     @property
     def ok(self) -> bool:
         return self.error is None and self.status == 200
+
+    @property
+    def timed(self) -> bool:
+        """Its TTFT is a measurement: it completed, or the run's end cut it after its first
+        token (the driver's cut, not the system's failure)."""
+        return self.ttft is not None and (self.ok or (self.status == 200 and self.error == CUT))
 
 
 @dataclass
@@ -148,7 +160,7 @@ async def _one(
             if rec.ttft is None and rec.error is None:
                 rec.error = "stream ended without a token"
     except asyncio.CancelledError:
-        rec.error = "cancelled at the end of the run"
+        rec.error = rec.error or CUT  # a stream error before the cut stays the reason
         raise
     except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"
@@ -230,7 +242,7 @@ def summarize(
     records: Sequence[RequestRecord], duration: float, slo_ttft_ms: float
 ) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    ttfts = [r.ttft for r in records if r.timed and r.ttft is not None]
     itls = [x for r in ok for x in r.itl]
     e2es = [r.e2e for r in ok if r.e2e is not None]
     prompt = sum(r.prompt_tokens for r in ok)
@@ -248,7 +260,9 @@ def summarize(
         w["hit_rate"] = (
             round(w["cached_tokens"] / w["prompt_tokens"], 4) if w["prompt_tokens"] else 0.0
         )
-    good = sum(1 for r in ok if r.ttft is not None and r.ttft * 1000 <= slo_ttft_ms)
+    good = sum(
+        1 for r in records if r.timed and r.ttft is not None and r.ttft * 1000 <= slo_ttft_ms
+    )
     errors: dict[str, int] = defaultdict(int)
     for r in records:
         if not r.ok:
