@@ -709,6 +709,12 @@ def _predicted_and_agreed(stack: Stack, replicas: int) -> tuple[float, float]:
     return predicted, agreed
 
 
+def _sim_lag(stack: Stack) -> float:
+    """Seconds the simulated engines' ranks have lost to the host so far, summed
+    (``step_lag_s`` of every sim worker)."""
+    return float(sum(s.get("step_lag_s", 0.0) for s in stack.sim_state()))
+
+
 def _served_per_replica(stack: Stack, replicas: int) -> list[int]:
     """Requests each kvroute replica sent to a worker (``kvroute_requests_total``)."""
     return [int(stack.metric_sum("kvroute_requests_total", gateway=g)) for g in range(replicas)]
@@ -1069,11 +1075,15 @@ class _Runner:
                 progress=cfg.progress,
                 label=label,
             )
+            lag = _sim_lag(stack) if cfg.engine == "sim" else None
             timer.start()
             try:
                 result = asyncio.run(run_load(items, dcfg, base_urls=urls))
             finally:
                 timer.cancel()
+            if lag is not None:  # engine time the simulated workers lost to this host
+                lag = (_sim_lag(stack) - lag) / (len(stack.sim_state()) * stack.config.dp_size)
+                lag = round(lag / result.duration, 4) if result.duration > 0 else None
             before = snap.get("at_warmup") or scrape_workers(
                 stack.worker_urls, stack.config.dp_size
             )
@@ -1144,6 +1154,10 @@ class _Runner:
             # other replicas' requests each counted in its load views (replicas.share_load)
             "remote_requests_per_replica": remote,
             "warmup_s": round(warmup, 1),
+            # share of the run the simulated engines (per rank, on average) sat between steps
+            # with work waiting, the host's event loop late: a fairness check (a router whose
+            # own process eats this machine's CPU slows the simulated GPUs); None: real engines
+            "sim_lag_share": lag,
             "ttfts_ms": ttfts,
             # by request (the window's index; None: failed), so that systems pair up
             "ttft_by_request_ms": [
@@ -1239,6 +1253,7 @@ def _row_line(r: dict[str, Any]) -> str:
         f"{r['system']:<26} load {r['load']:.2f} rate {r['rate']:7.2f}/s  hit {r['hit_rate']:.3f}  "
         f"ttft p50 {r['ttft_p50_ms']} p90 {r['ttft_p90_ms']} p99 {r['ttft_p99_ms']} ms  "
         f"goodput {r['goodput']:.3f}  max/mean {r['max_mean_load']}  failed {r['failed']}"
+        + (f"  sim lag {lag:.1%}" if (lag := r.get("sim_lag_share")) is not None else "")
     )
 
 

@@ -324,6 +324,8 @@ def test_compare_runs_kvroute_and_the_peers_on_one_cluster(
     # Q8: the index's predictions, checked against what the engines reported reusing
     assert 0.98 <= rows["kvroute"]["index_precision"] <= 1.0
     assert all(rows[s]["index_precision"] is None for s in systems[1:])
+    # every system's run says how much engine time the simulated workers lost to the host
+    assert all(0.0 <= rows[s]["sim_lag_share"] < 0.5 for s in systems)
     out = Path(report["config"]["out_dir"])
     on_disk = json.loads((out / "compare.json").read_text())
     assert [r["system"] for r in on_disk["results"]] == systems

@@ -224,6 +224,33 @@ async def test_a_reset_during_a_step_waits_for_its_delivery() -> None:
         assert st == 200 and third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+async def test_engine_time_lost_to_a_late_host_is_counted() -> None:
+    """A simulated engine steps in real time on this host's event loop; when the loop is
+    late (other workers' streams, a router process eating the CPU) the engine sits between
+    steps with work waiting, where a GPU would not: ``step_lag_s`` counts that time, so a
+    comparison can tell whether two routers' runs had the same engines. A loop blocked while
+    the engine is idle costs it nothing."""
+    real_time = TimingConfig(speedup=1.0)  # mocker decode steps of ~25 ms: 60 take ~1.5 s
+    cfg = sim_config(
+        tokenizer="none", cache=CacheConfig(kv_blocks=256, block_size=4), timing=real_time
+    )
+    async with SimCluster(cfg, tokenizer=None) as cluster, aiohttp.ClientSession() as s:
+        w = cluster.workers[0]
+        url = w.http_url + "/v1/completions"
+        loop = asyncio.get_running_loop()
+        loop.call_soon(time.sleep, 0.3)  # idle: nothing to lose
+        await asyncio.sleep(0)
+        assert w.state()["step_lag_s"] == 0.0
+        run = asyncio.create_task(post(s, url, {"prompt": list(range(16)), "max_tokens": 60}))
+        await until(lambda: w.core.num_running == 1)
+        loop.call_soon(time.sleep, 0.3)  # the host is late mid-run
+        st, _ = await run
+        assert st == 200
+        lag = w.state()["step_lag_s"]
+        assert 0.25 <= lag < 2.0  # the 0.3 s block, less the step it fell in, plus overheads
+        assert lag == round(w.ranks[0].lag, 4)
+
+
 async def test_usage_in_streams_and_shapes(zctx: zmq.asyncio.Context) -> None:
     cfg = sim_config(tokenizer="none")
     async with SimCluster(cfg, tokenizer=None) as cluster, aiohttp.ClientSession() as s:

@@ -88,6 +88,10 @@ class SimRank:
     stepping: asyncio.Lock = field(default_factory=asyncio.Lock)
     active: dict[int, Generation] = field(default_factory=dict)
     streaming: dict[int, Generation] = field(default_factory=dict)
+    #: engine seconds lost to the host: from a step's end to the next step's start while
+    #: the engine had work (a GPU would have started it at once; here the event loop was
+    #: late, busy with other workers' streams or starved of CPU by other processes)
+    lag: float = 0.0
 
     @property
     def load(self) -> int:
@@ -381,6 +385,7 @@ class SimWorker:
             "alive": self.alive,
             "paused": self.paused,
             "slowdown": self.slowdown,
+            "step_lag_s": round(sum(r.lag for r in self.ranks), 4),
             "accepting": self._site is not None,
             "http_url": self.http_url,
             "events_endpoint": self.events_endpoint,
@@ -504,17 +509,24 @@ class SimWorker:
     async def _drive(self, rank: SimRank) -> None:
         loop = asyncio.get_running_loop()
         core = rank.core
+        busy_since: float | None = None  # the last step's end, while work remained
         while True:
             if self.paused or not core.has_work():
+                busy_since = None
                 rank.wake.clear()
                 await rank.wake.wait()
                 continue
             async with rank.stepping:
-                res = core.step(loop.time())
+                now = loop.time()
+                if busy_since is not None:
+                    rank.lag += max(0.0, now - busy_since)
+                res = core.step(now)
                 if res.steps:
                     await asyncio.sleep(max(0.0, res.end - loop.time()))
                     await self._deliver(rank, res)
+                    busy_since = res.end
             if not res.steps:
+                busy_since = None
                 rank.wake.clear()
                 await rank.wake.wait()
 
