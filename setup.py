@@ -31,6 +31,7 @@ COMPILED = [
     "gateway/routing/popularity.py",
     "gateway/routing/replication.py",
     "gateway/routing/router.py",
+    "gateway/routing/policies/cache_aware.py",
     "gateway/routing/policies/least_load.py",
     "gateway/routing/policies/prefix.py",
     "gateway/routing/policies/random_choice.py",

@@ -66,6 +66,7 @@ def test_registry_lists_every_policy_and_rejects_unknown() -> None:
         "least_load",
         "session",
         "prefix",
+        "cache_aware",
     }
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_policy("nope")
@@ -119,6 +120,39 @@ def test_prefix_policy_ignores_load() -> None:
     p = pool(matches={"w2": 10, "w1": 3}, queued={"w2": 10**9})
     d = make_policy("prefix").choose(RouteRequest([], 1000, BS), p, PolicyContext())
     assert d.worker == "w2" and d.reason == "cache" and d.matched_tokens == 160
+
+
+def test_cache_aware_follows_smgs_rule() -> None:
+    """SGLang's / smg's cache_aware: balance first (in-flight requests, absolute and relative
+    thresholds both exceeded), then the longest match above the cache threshold, else the
+    least-loaded worker."""
+
+    def inflight(counts: dict[str, int], matches: dict[str, int]) -> PoolView:
+        p = pool(matches=matches)
+        for w, n in counts.items():
+            for _ in range(n):
+                p.loads.started(w, 1, now=0.0)
+        return p
+
+    pol = make_policy("cache_aware", balance_abs=4, balance_rel=1.5)
+    ctx = PolicyContext(rng=random.Random(0))
+    req = RouteRequest([], 1000, BS)  # 62 blocks: a match of 19+ blocks is above 0.3
+    # balanced, a match above the threshold: the holder, however busy within the bounds
+    d = pol.choose(req, inflight({"w2": 4}, {"w2": 40}), ctx)
+    assert (d.worker, d.reason, d.matched_tokens) == ("w2", "cache", 640)
+    # a match at or below 0.3 of the prompt: the least-loaded worker (w3: none in flight)
+    d = pol.choose(req, inflight({"w0": 1, "w1": 1, "w2": 1}, {"w2": 18}), ctx)
+    assert (d.worker, d.reason) == ("w3", "cold")
+    # imbalanced past both thresholds (5 - 0 > 4 and 5 > 0 x 1.5): cache ignored
+    d = pol.choose(req, inflight({"w2": 5, "w0": 1, "w1": 1}, {"w2": 40}), ctx)
+    assert (d.worker, d.reason) == ("w3", "balance")
+    # past the absolute threshold only (10 - 5 > 4, but 10 < 5 x 2.5): still the holder
+    rel = make_policy("cache_aware", balance_abs=4, balance_rel=2.5)
+    counts = {"w0": 5, "w1": 5, "w2": 10, "w3": 5}
+    d = rel.choose(req, inflight(counts, {"w2": 40}), ctx)
+    assert (d.worker, d.reason) == ("w2", "cache")
+    with pytest.raises(ValueError, match="cache_threshold must be"):
+        make_policy("cache_aware", cache_threshold=1.5)
 
 
 def test_ttft_follows_longest_prefix_when_loads_are_equal() -> None:
