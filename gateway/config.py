@@ -126,6 +126,13 @@ class PoolSettings:
     #: decide the context check before the first byte reaches the client (the same fraction
     #: bounds what the decision can miss)
     tokenize_overlap_chats: bool = True
+    #: a completion prompt with nothing cached (or too much new text for the fraction above)
+    #: is routed on its first ids when no worker holds all of their blocks: its first
+    #: uncached piece is encoded here, and if the index's longest match stops inside it the
+    #: rest of the prompt cannot lengthen any worker's match, so the decision on those ids is
+    #: the decision on all of them (only the count is estimated); the rest is encoded while
+    #: the request is on its way
+    tokenize_overlap_cold: bool = True
     static_workers: list[StaticWorker] = field(default_factory=list)
     #: LoRA adapters every worker of the pool serves (engines started with the same
     #: ``--lora-modules``); a request names one as its ``model``. Workers also register the

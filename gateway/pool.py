@@ -224,6 +224,10 @@ class Pool:
                     chat = ChatIds(await tok.aencode(req.prompt_text, add_special_tokens=True))
                 elif overlap and self._overlaps(planned, req.max_tokens):
                     return self._overlapped(planned, req.max_tokens, adapter, t0)
+                elif overlap and (
+                    cold := self._closed(planned, req.prompt_text, req.max_tokens, adapter)
+                ):
+                    return self._overlapped(cold, req.max_tokens, adapter, t0)
                 else:
                     chat = ChatIds(await tok.aencode_planned(planned))
         except (TokenizationError, UnicodeError) as exc:
@@ -256,6 +260,41 @@ class Pool:
             and not self.disaggregated
             and too_long(planned.estimate, max_tokens, s.max_model_len) is None
         )
+
+    def _closed(
+        self, planned: PromptPlan, text: str, max_tokens: int | None, adapter: str | None
+    ) -> PromptPlan | None:
+        """``planned`` (its first uncached piece encoded here when it knows less than a
+        block) when no worker holds every block of its known ids: a prefix match that stops
+        inside them cannot grow with the rest of the prompt, so routing on them misses
+        nothing. None when that is not so, or not worth it (``_overlaps``' other bounds)."""
+        s = self.settings
+        if not (
+            s.tokenize_overlap_cold
+            and s.tokenize_overlap_chars > 0
+            and s.tokenize_thread_chars > 0
+            and planned.missing_chars >= s.tokenize_overlap_chars
+            and not self.disaggregated
+        ):
+            return None
+        if planned.known < s.block_size:
+            first = next((p for p in planned.plan.resolved if isinstance(p, str)), None)
+            if first is None or len(first) >= s.tokenize_thread_chars:  # not on the loop
+                return None
+            self.tokenizer.encode(first, add_special_tokens=False)  # now a cached piece
+            again = self.tokenizer.plan_prompt(text, add_special_tokens=True)
+            if again is None or again.known < s.block_size:
+                return None
+            if again.missing_chars < s.tokenize_overlap_chars:
+                return None  # the rest is short: encoding it is cheaper than the overlap
+            planned = again
+        if too_long(planned.estimate, max_tokens, s.max_model_len) is not None:
+            return None
+        keys = LazyKeys(self.keyer, planned.known_ids(), self.keyer.adapter_root(adapter))
+        masks = self.router.index.match_masks(keys)
+        if masks and masks[0][0] >= len(keys):
+            return None  # a worker holds all of them: the rest may lengthen its match
+        return planned
 
     @property
     def _may_overlap_chats(self) -> bool:

@@ -75,7 +75,7 @@ def test_an_overlapped_prompt_ends_with_the_exact_ids_keys_and_speculation(
     pool: Pool, plain: tokenizers.Tokenizer
 ) -> None:
     async def run() -> None:
-        await pool.prepare(completion(DOCUMENT + " What is alpha?"), overlap=True)  # caches
+        await pool.prepare(completion(DOCUMENT + " What is alpha?"), overlap=False)  # caches
         prompt = DOCUMENT + QUESTION
         exact = plain.encode(prompt).ids
         prep = await pool.prepare(completion(prompt), overlap=True)
@@ -93,18 +93,33 @@ def test_an_overlapped_prompt_ends_with_the_exact_ids_keys_and_speculation(
     asyncio.run(run())
 
 
-def test_what_overlaps_and_what_is_encoded_first(pool: Pool) -> None:
+def test_what_overlaps_and_what_is_encoded_first(pool: Pool, plain: tokenizers.Tokenizer) -> None:
     async def run() -> None:
-        first = await pool.prepare(completion(DOCUMENT + " What is alpha?"), overlap=True)
-        assert not first.pending and first.rest is None  # nothing known: encoded first
+        # nothing cached and no worker holds a block of it: routed on its first piece's ids
+        # (``tokenize_overlap_cold``), which no longer prompt can extend a match past
+        cold_prompt = DOCUMENT + " What is alpha?"
+        cold = await pool.prepare(completion(cold_prompt), overlap=True)
+        assert cold.pending and 16 <= len(cold.ids) < 1000
+        assert list(cold.ids) == plain.encode(cold_prompt).ids[: len(cold.ids)]
+        decision = await route_while_encoded(pool, cold, 1.0)
+        exact = plain.encode(cold_prompt).ids
+        assert list(cold.ids) == exact and cold.prompt_tokens == len(exact)
+        assert holds_all(pool, decision.worker, pool.keyer.keys(exact))
         prompt = DOCUMENT + QUESTION
         off = await pool.prepare(completion(prompt), overlap=False)
         assert off.rest is None and len(off.ids) == off.prompt_tokens
         again = await pool.prepare(completion(prompt), overlap=True)
         assert again.rest is None  # every piece cached now: nothing to wait for
-        # new text that is most of the prompt is encoded first (the decision could miss much)
+        # new text that is most of the prompt, after known ids a worker holds all of: encoded
+        # first (the decision could miss much: that worker's match may go on)
         short = await pool.prepare(completion(DOCUMENT[:3000] + QUESTION * 3), overlap=True)
         assert short.rest is None
+        # a cold prompt whose first piece a worker holds: the same
+        pool.tokenizer.clear_cache()
+        held = await pool.prepare(completion(DOCUMENT + " Where is omega?"), overlap=True)
+        assert (
+            held.rest is None and list(held.ids) == plain.encode(DOCUMENT + " Where is omega?").ids
+        )
         # an estimate past the context is checked exactly before anything is sent
         with pytest.raises(ApiError) as err:
             await pool.prepare(completion(DOCUMENT + QUESTION + " x", 10**6), overlap=True)
@@ -124,6 +139,17 @@ def test_overlap_settings_turn_it_off() -> None:
 
         asyncio.run(run())
         p.tokenizer.close()
+
+
+def test_a_cold_prompt_is_encoded_first_with_tokenize_overlap_cold_off() -> None:
+    p = make_pool(tokenize_overlap_cold=False)
+
+    async def run() -> None:
+        cold = await p.prepare(completion(DOCUMENT + " What is alpha?"), overlap=True)
+        assert cold.rest is None and len(cold.ids) == cold.prompt_tokens
+
+    asyncio.run(run())
+    p.tokenizer.close()
 
 
 def test_the_exact_ids_decide_the_context_check(plain: tokenizers.Tokenizer) -> None:
