@@ -224,11 +224,13 @@ class Pool:
                     chat = ChatIds(await tok.aencode(req.prompt_text, add_special_tokens=True))
                 elif overlap and self._overlaps(planned, req.max_tokens):
                     return self._overlapped(planned, req.max_tokens, adapter, t0)
-                elif overlap and (
-                    cold := self._closed(planned, req.prompt_text, req.max_tokens, adapter)
-                ):
-                    return self._overlapped(cold, req.max_tokens, adapter, t0)
                 else:
+                    if overlap:
+                        planned, keys = self._closed(
+                            planned, req.prompt_text, req.max_tokens, adapter
+                        )
+                        if keys is not None:
+                            return self._overlapped(planned, req.max_tokens, adapter, t0, keys)
                     chat = ChatIds(await tok.aencode_planned(planned))
         except (TokenizationError, UnicodeError) as exc:
             param = "prompt" if req.messages is None else _MESSAGES_PARAM[req.kind]
@@ -263,11 +265,12 @@ class Pool:
 
     def _closed(
         self, planned: PromptPlan, text: str, max_tokens: int | None, adapter: str | None
-    ) -> PromptPlan | None:
-        """``planned`` (its first uncached piece encoded here when it knows less than a
-        block) when no worker holds every block of its known ids: a prefix match that stops
-        inside them cannot grow with the rest of the prompt, so routing on them misses
-        nothing. None when that is not so, or not worth it (``_overlaps``' other bounds)."""
+    ) -> tuple[PromptPlan, LazyKeys | None]:
+        """The plan to finish ``text`` with (re-planned once its first uncached piece is
+        encoded here, when it knew less than a block) and, when no worker holds every block
+        of its known ids, their keys: a prefix match that stops inside them cannot grow with
+        the rest of the prompt, so routing on them misses nothing. No keys when that is not
+        so, or not worth it (``_overlaps``' other bounds)."""
         s = self.settings
         if not (
             s.tokenize_overlap_cold
@@ -276,25 +279,25 @@ class Pool:
             and planned.missing_chars >= s.tokenize_overlap_chars
             and not self.disaggregated
         ):
-            return None
+            return planned, None
         if planned.known < s.block_size:
             first = next((p for p in planned.plan.resolved if isinstance(p, str)), None)
             if first is None or len(first) >= s.tokenize_thread_chars:  # not on the loop
-                return None
+                return planned, None
             self.tokenizer.encode(first, add_special_tokens=False)  # now a cached piece
             again = self.tokenizer.plan_prompt(text, add_special_tokens=True)
-            if again is None or again.known < s.block_size:
-                return None
-            if again.missing_chars < s.tokenize_overlap_chars:
-                return None  # the rest is short: encoding it is cheaper than the overlap
-            planned = again
+            if again is None:
+                return planned, None
+            planned = again  # the first piece is no longer missing: not encoded twice
+            if planned.known < s.block_size or planned.missing_chars < s.tokenize_overlap_chars:
+                return planned, None  # the rest is short: encoding it beats the overlap
         if too_long(planned.estimate, max_tokens, s.max_model_len) is not None:
-            return None
+            return planned, None
         keys = LazyKeys(self.keyer, planned.known_ids(), self.keyer.adapter_root(adapter))
         masks = self.router.index.match_masks(keys)
         if masks and masks[0][0] >= len(keys):
-            return None  # a worker holds all of them: the rest may lengthen its match
-        return planned
+            return planned, None  # a worker holds all of them: the rest may lengthen its match
+        return planned, keys
 
     @property
     def _may_overlap_chats(self) -> bool:
@@ -390,11 +393,19 @@ class Pool:
             prep.matched[decision.worker] = blocks * bs
 
     def _overlapped(
-        self, planned: PromptPlan, max_tokens: int | None, adapter: str | None, t0: float
+        self,
+        planned: PromptPlan,
+        max_tokens: int | None,
+        adapter: str | None,
+        t0: float,
+        keys: LazyKeys | None = None,
     ) -> Prepared:
+        """Route on ``planned``'s known ids (``keys``: theirs, when already made) while the
+        rest is encoded."""
         t1 = time.perf_counter()
         known = planned.known_ids()
-        keys = LazyKeys(self.keyer, known, self.keyer.adapter_root(adapter))
+        if keys is None:
+            keys = LazyKeys(self.keyer, known, self.keyer.adapter_root(adapter))
         prep = Prepared(planned.estimate, keys, t1 - t0, 0.0, None, adapter, known)
         prep.rest = asyncio.get_running_loop().create_task(
             self._finish(prep, planned, max_tokens), name="kvroute-tokenize-rest"

@@ -710,9 +710,11 @@ def _predicted_and_agreed(stack: Stack, replicas: int) -> tuple[float, float]:
 
 
 def _sim_lag(stack: Stack) -> float:
-    """Seconds the simulated engines' ranks have lost to the host so far, summed
-    (``step_lag_s`` of every sim worker)."""
-    return float(sum(s.get("step_lag_s", 0.0) for s in stack.sim_state()))
+    """Seconds the simulated engines' ranks have lost to the host so far, per rank on
+    average (``step_lag_s`` of every sim worker, summed over its ranks)."""
+    states = stack.sim_state()
+    ranks = len(states) * stack.config.dp_size
+    return float(sum(s.get("step_lag_s", 0.0) for s in states)) / max(ranks, 1)
 
 
 def _served_per_replica(stack: Stack, replicas: int) -> list[int]:
@@ -1082,8 +1084,8 @@ class _Runner:
             finally:
                 timer.cancel()
             if lag is not None:  # engine time the simulated workers lost to this host
-                lag = (_sim_lag(stack) - lag) / (len(stack.sim_state()) * stack.config.dp_size)
-                lag = round(lag / result.duration, 4) if result.duration > 0 else None
+                lost = _sim_lag(stack) - lag
+                lag = round(lost / result.duration, 4) if result.duration > 0 else None
             before = snap.get("at_warmup") or scrape_workers(
                 stack.worker_urls, stack.config.dp_size
             )

@@ -116,10 +116,18 @@ def test_what_overlaps_and_what_is_encoded_first(pool: Pool, plain: tokenizers.T
         assert short.rest is None
         # a cold prompt whose first piece a worker holds: the same
         pool.tokenizer.clear_cache()
-        held = await pool.prepare(completion(DOCUMENT + " Where is omega?"), overlap=True)
-        assert (
-            held.rest is None and list(held.ids) == plain.encode(DOCUMENT + " Where is omega?").ids
-        )
+        held_prompt = DOCUMENT + " Where is omega?"
+        encoded = pool.tokenizer._chars_encoded
+        held = await pool.prepare(completion(held_prompt), overlap=True)
+        assert held.rest is None and list(held.ids) == plain.encode(held_prompt).ids
+        # the first piece, encoded to look the index up, is not encoded again with the rest:
+        # no more text encoded than with the rule off
+        off_pool = make_pool(tokenize_overlap_cold=False)
+        once = off_pool.tokenizer._chars_encoded
+        await off_pool.prepare(completion(held_prompt), overlap=True)
+        once = off_pool.tokenizer._chars_encoded - once
+        off_pool.tokenizer.close()
+        assert pool.tokenizer._chars_encoded - encoded == once > 0
         # an estimate past the context is checked exactly before anything is sent
         with pytest.raises(ApiError) as err:
             await pool.prepare(completion(DOCUMENT + QUESTION + " x", 10**6), overlap=True)
