@@ -266,6 +266,14 @@ class GatewayMetrics:
             ["pool"],
             registry=r,
         )
+        self.tokenize_overlap_wait = Histogram(
+            "kvroute_tokenization_overlap_wait_seconds",
+            "How long an overlapped prompt's first chunk waited for its exact ids (0: they "
+            "were ready before the engine's first token; the overlap then cost no latency)",
+            ["pool"],
+            buckets=(0.0, *_FAST),
+            registry=r,
+        )
         self.cost_scale = Gauge(
             "kvroute_cost_model_scale",
             "Online calibration factor of the TTFT cost model",

@@ -409,7 +409,10 @@ class Proxy:
                 router.first_token(ticket, now)
                 ws.ttft.observe(now - ticket.sent_at)
                 if prep.rest is not None:  # the exact ids (encoded meanwhile) decide
+                    held = time.perf_counter() if prep.pending else None
                     await prep.ready()
+                    waited = 0.0 if held is None else time.perf_counter() - held
+                    m.tokenize_overlap_wait.labels(pool.name).observe(waited)
                     decision = prep.exact(decision)
                 m.requests.labels(pool.name, wid, decision.reason).inc()
                 ws.prompt_tokens.inc(prep.prompt_tokens)

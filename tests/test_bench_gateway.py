@@ -123,6 +123,24 @@ def test_completion_mode_sends_one_shared_prefix_and_a_new_question_each_time() 
     assert first["prompt"] != second["prompt"] and len(conv.messages) == 1
 
 
+def test_cold_mode_sends_a_new_text_of_the_whole_size_every_time() -> None:
+    """--mode cold: Q5's cold path. No prefix is shared, by twins or by turns: every request
+    is a fresh --prompt-tokens-word text, so neither the gateway nor the engine has seen any
+    of it."""
+    args = _args(mode="cold", conversations=4, direct_every=2, prompt_tokens=300,
+                 user_tokens=20)  # fmt: skip
+    twins, solos = gw._make_conversations(args, ["http://w0"], "s", 99)
+    convs = [c for p in twins + solos for c in (p.routed, p.direct) if c is not None]
+    assert len(convs) == 6 and {c.prefix for c in convs} == {""}
+    prompts = [json.loads(gw._body("m", c, 8))["prompt"] for c in convs]
+    conv = convs[0]
+    gw._next_turn(conv, " the the", args.user_tokens)
+    prompts.append(json.loads(gw._body("m", conv, 8))["prompt"])
+    assert all(len(p.split()) == 300 for p in prompts)
+    heads = {" ".join(p.split()[:8]) for p in prompts}
+    assert len(heads) == len(prompts)  # no two share even their first words
+
+
 def test_chats_grow_through_the_prompt_size() -> None:
     args = _args()  # the full size: 100 req/s, 48 conversations, 21 s per phase
     runner = gw.P5Runner(args, ["http://w"], "m", session=None)  # type: ignore[arg-type]
@@ -281,6 +299,48 @@ def test_smoke_completion_mode(capsys: pytest.CaptureFixture[str]) -> None:
     assert 2000 < s["prompt_tokens_min"] <= s["prompt_tokens_max"] < 2100
     assert s["cached_fraction_routed"] > 0.9 and s["cached_fraction_direct"] > 0.9
     assert math.isfinite(s["added_p50_ms"])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_smoke_cold_mode_with_a_pool_setting(
+    capsys: pytest.CaptureFixture[str], overlap: bool
+) -> None:
+    """--mode cold through kvroute: every request a new text, nothing cached by the engine;
+    ``--pool-set`` reaches the gateway's pool: with ``tokenize_overlap_cold`` on, the cold
+    prompts are routed on their first piece (overlapped), with it off none is."""
+    parser = argparse.ArgumentParser()
+    benchmarks.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "gateway", "--json", "--mode", "cold", "--prompt-tokens", "1500",
+            "--duration", "1.5", "--rate", "10", "--warmup", "0.3",
+            "--rounds", "1", "--conversations", "4", "--throughput-seconds", "0",
+            "--tokenize-repeats", "0", "--systems", gw.KVROUTE, "--stall-seconds", "0",
+            "--pool-set", f"tokenize_overlap_cold={str(overlap).lower()}",
+        ]
+    )  # fmt: skip
+    benchmarks.run(args)
+    r: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert r["config"]["mode"] == "cold"
+    assert r["config"]["pool_set"] == [f"tokenize_overlap_cold={str(overlap).lower()}"]
+    s = r["systems"][gw.KVROUTE]
+    assert s["errors"] == 0 and s["pairs"] >= 4, s
+    assert s["prompt_tokens_min"] == s["prompt_tokens_max"] == 1500
+    assert s["cached_fraction_routed"] == 0 and s["cached_fraction_direct"] == 0
+    if overlap:  # and each one's hold for its exact ids observed
+        assert s["overlapped_fraction"] > 0.9, s
+        assert 0 <= s["overlap_held_fraction"] <= 1 and s["overlap_wait_mean_ms"] >= 0, s
+    else:
+        assert s["overlapped_fraction"] == 0, s
+        assert s["overlap_held_fraction"] is None and s["overlap_wait_mean_ms"] is None, s
+
+
+def test_a_malformed_pool_setting_is_refused_before_anything_starts() -> None:
+    parser = argparse.ArgumentParser()
+    benchmarks.add_arguments(parser)
+    args = parser.parse_args(["gateway", "--pool-set", "tokenize_overlap_cold"])
+    with pytest.raises(SystemExit, match="--pool-set: expected PARAM=VALUE"):
+        benchmarks.run(args)
 
 
 def test_smoke_stall_and_gateway_processes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
@@ -15,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.abc import AbstractResolver
+from chat_helpers import text
 
 from gateway.config import GatewayConfig, PoolSettings, ProxySettings, StaticWorker
 from gateway.proxy import Proxy, TimedResolver
@@ -406,6 +408,68 @@ async def test_precision_counts_only_the_predictions_the_engine_answered() -> No
         assert series(checked) == series(predicted) - left == series(agreed)  # precision 1
         assert gw.registry.trust.precision("w1", gw.clock()) == 1.0
         assert len(calls) == 3
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
+async def test_the_wait_for_an_overlapped_prompts_exact_ids_is_measured() -> None:
+    """A cold completion prompt is routed on its first piece while the rest is encoded; its
+    first chunk is held until the exact ids are there. That hold is the overlap's price in
+    latency, observed per request (0 when the ids were ready before the first token)."""
+    encoded, answered = asyncio.Event(), asyncio.Event()
+    order: list[str] = []
+
+    async def completion(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if len(order) == 1:  # the second request: answered once its ids are encoded
+            await asyncio.wait_for(encoded.wait(), 5.0)
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        event = {"choices": [{"index": 0, "text": "token ", "finish_reason": None}]}
+        await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        order.append("answered")
+        answered.set()
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    gw, port, runners = await _gateway_over(completion)
+    tok = gw.pools[0].tokenizer
+    encode = tok.aencode_planned
+
+    async def slow_first(*args: Any, **kwargs: Any) -> Any:
+        if not order:  # the first request: its rest is encoded after its first chunk came
+            await asyncio.wait_for(answered.wait(), 5.0)
+            await asyncio.sleep(0.05)  # held: the wait below is at least this long
+        ids = await encode(*args, **kwargs)
+        encoded.set()
+        return ids
+
+    tok.aencode_planned = slow_first  # type: ignore[method-assign]
+
+    def wait_series(suffix: str, label: str = "") -> float:
+        name = "kvroute_tokenization_overlap_wait_seconds" + suffix
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in gw.metrics.exposition().decode().splitlines()
+            if line.startswith(name + "{") and label in line
+        )
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            for seed in (1, 2):  # two cold prompts, nothing shared
+                prompt = text(random.Random(seed), 900)  # cut in pieces: routed on the first
+                body = {"model": "m", "prompt": prompt, "max_tokens": 4, "stream": True}
+                async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                    assert r.status == 200 and b"token" in await r.read()
+                if seed == 1:
+                    assert wait_series("_count") == 1 and wait_series("_sum") >= 0.05
+                    answered.clear()
+                    encoded.clear()  # the second is answered after its own encode
+        assert gw.metrics.exposition().count(b"kvroute_tokenization_overlapped_total{") == 1
+        assert wait_series("_count") == 2  # both overlapped, both observed
+        assert wait_series("_bucket", 'le="0.0"') == 1  # the second never waited
+        assert 0.05 <= wait_series("_sum") < 5.0
     finally:
         for r in runners:
             await r.cleanup()

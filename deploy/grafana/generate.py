@@ -401,9 +401,15 @@ def panels() -> list[dict[str, Any]]:
                     quantile(0.99, "kvroute_tokenization_seconds", "le, pool, kind", POOL),
                     "{{pool}} {{kind}} p99",
                 ),
+                (
+                    quantile(0.99, "kvroute_tokenization_overlap_wait_seconds", "le, pool", POOL),
+                    "{{pool}} overlap wait p99",
+                ),
             ),
             "s",
-            "Chat template rendering, tokenization and block keys per request.",
+            "Chat template rendering, tokenization and block keys per request, on its path "
+            "(an overlapped prompt's until it can be routed); overlap wait: how long an "
+            "overlapped prompt's first chunk waited for the rest of its ids.",
         ),
         12,
         8,

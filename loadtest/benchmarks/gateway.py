@@ -40,6 +40,10 @@ ABC CBA ...), each phase with fresh conversations:
 * ``requests_per_cpu_s``: routed requests per CPU-second of the router's process (and any
   children: utime + stime from /proc) over the phase.
 
+``--mode completion`` sends Q3's requests instead (one shared prefix, a new question each) and
+``--mode cold`` Q5's cold path (every request a new text: nothing cached in the gateway's
+tokenizer or the engine), both on ``/v1/completions``, with P5's bounds applied to them.
+
 ``ok`` is P5's verdict for kvroute: added p50 <= 1 ms and <= smg's, p99 <= 2 x smg's, from the
 same run (``targets``); each system gets the same checks in its own row. A peer that is not
 installed is named under ``missing``, and only the checks that need it fail.
@@ -81,6 +85,7 @@ import msgspec
 
 from loadtest.benchmarks import _stall
 from loadtest.peers import Peer, PeerNotInstalled, is_peer, launch, peer_spec, pool_from_stack
+from loadtest.simulate import parse_params
 from loadtest.stack import Stack, StackConfig
 from loadtest.workloads import WORDS
 
@@ -108,7 +113,7 @@ T = TypeVar("T")
 CONFIG_KEYS = (
     "rate", "duration", "warmup", "rounds", "conversations", "direct_every", "prompt_tokens",
     "user_tokens", "max_tokens", "workers", "speedup", "kv_blocks", "seed", "gateway_processes",
-    "mode",
+    "mode", "pool_set",
 )  # fmt: skip
 
 _encode = msgspec.json.encode
@@ -131,11 +136,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     a(
         "--mode",
-        choices=("chat", "completion"),
+        choices=("chat", "completion", "cold"),
         default="chat",
         help="chat: multi-turn chats growing through --prompt-tokens (P5); completion: Q3's "
         "requests, one --prompt-tokens-word prefix shared by all and a new --user-tokens "
-        "question each, on /v1/completions",
+        "question each, on /v1/completions; cold: Q5's cold path, every request a new "
+        "--prompt-tokens-word text on /v1/completions (nothing cached in the gateway or the "
+        "engine)",
     )
     a("--prompt-tokens", type=int, default=8000, help="chat size the conversations grow through")
     a("--user-tokens", type=int, default=32, help="words in each new user message")
@@ -157,6 +164,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="kvroute processes sharing the gateway's port (server.workers, SO_REUSEPORT); "
         "P5 targets one process, P6 shows how N share the load",
+    )
+    a(
+        "--pool-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of kvroute's pool (gateway/config.py PoolSettings; the value read as "
+        "YAML), e.g. tokenize_overlap_cold=false: an A/B of one setting in two runs",
     )
     _stall.add_arguments(p)
     a("--seed", type=int, default=1)
@@ -292,7 +307,10 @@ class Conversation:
     rng: random.Random
     home: str = ""  # the worker URL it lives on, when known
     #: --mode completion: the shared prefix; each request is it + the last user message
+    #: (--mode cold: an empty prefix)
     prefix: str | None = None
+    #: words of each new question (--user-tokens; --mode cold: the whole --prompt-tokens)
+    question_words: int = 0
 
 
 @dataclass
@@ -334,7 +352,8 @@ def _make_conversations(
     then its own history; twins have the same lengths and different words."""
     shared = random.Random(f"{seed}-system")
     system_prompt = _text(shared, 200)  # a short shared head, as real deployments have
-    hot = _text(shared, args.prompt_tokens) if args.mode == "completion" else None
+    hot = {"completion": _text(shared, args.prompt_tokens), "cold": ""}.get(args.mode)
+    question_words = args.prompt_tokens if args.mode == "cold" else args.user_tokens
     n_twins = max(1, math.ceil(args.conversations / max(1, args.direct_every)))
     twins: list[TwinPair] = []
     solos: list[TwinPair] = []
@@ -343,9 +362,11 @@ def _make_conversations(
         convs = []
         for twin in ("a", "b") if i < n_twins else ("a",):
             rng = random.Random(f"{seed}-{i}-{twin}")
-            if hot is not None:  # one prefix for every request, a new question each
-                question = {"role": "user", "content": _text(rng, args.user_tokens)}
-                convs.append(Conversation([question], rng, prefix=hot))
+            if hot is not None:  # one prefix for every request (or none), a new question each
+                question = {"role": "user", "content": _text(rng, question_words)}
+                convs.append(
+                    Conversation([question], rng, prefix=hot, question_words=question_words)
+                )
                 continue
             history = _text(rng, max(1, start_words - 200 - int(shape * 100)))
             convs.append(
@@ -384,7 +405,8 @@ def _body(model: str, conv: Conversation, max_tokens: int) -> bytes:
 
 def _next_turn(conv: Conversation, reply: str, user_tokens: int) -> None:
     if conv.prefix is not None:  # a completion: the same prefix, a new question
-        conv.messages[-1] = {"role": "user", "content": _text(conv.rng, user_tokens)}
+        words = conv.question_words or user_tokens
+        conv.messages[-1] = {"role": "user", "content": _text(conv.rng, words)}
         return
     conv.messages.append({"role": "assistant", "content": reply})
     conv.messages.append({"role": "user", "content": _text(conv.rng, user_tokens)})
@@ -702,18 +724,27 @@ _COUNTERS = {
     "reads": "kvroute_event_reads",
     "entries": "kvroute_event_entries_read",
     "overlapped": "kvroute_tokenization_overlapped_total",
+    "held": "kvroute_tokenization_overlap_wait_seconds_count",
+    "held_s": "kvroute_tokenization_overlap_wait_seconds_sum",
+    "held_0": 'kvroute_tokenization_overlap_wait_seconds_bucket|le="0.0"',
 }
 
 
 def _counters(stack: Stack) -> dict[str, float]:
-    return {k: stack.metric_sum(name) for k, name in _COUNTERS.items()}
+    out = {}
+    for k, series in _COUNTERS.items():
+        name, _, label = series.partition("|")
+        out[k] = stack.metric_sum(name, label=label)
+    return out
 
 
 def _count_ratios(counts: dict[str, float]) -> dict[str, float | None]:
     """What kvroute's own counters say of its P5 phases (warm-ups included; the events are
     the worker's, of the direct twins' requests too): KV-event reads (round trips to Redis)
     per routed request and entries per read, and the share of requests routed before their
-    prompt was encoded (``tokenize_overlap_chats``)."""
+    prompt was encoded (``tokenize_overlap_chats``, ``tokenize_overlap_cold``); of those, the
+    share whose first chunk waited for the exact ids and the mean wait over all of them
+    (``kvroute_tokenization_overlap_wait_seconds``)."""
 
     def ratio(a: str, b: str) -> float | None:
         return round(counts[a] / counts[b], 3) if counts.get(b) else None
@@ -722,6 +753,12 @@ def _count_ratios(counts: dict[str, float]) -> dict[str, float | None]:
         "event_reads_per_request": ratio("reads", "requests"),
         "entries_per_event_read": ratio("entries", "reads"),
         "overlapped_fraction": ratio("overlapped", "requests"),
+        "overlap_held_fraction": (
+            round(1 - counts["held_0"] / counts["held"], 3) if counts.get("held") else None
+        ),
+        "overlap_wait_mean_ms": (
+            round(1e3 * counts["held_s"] / counts["held"], 3) if counts.get("held") else None
+        ),
     }
 
 
@@ -823,7 +860,12 @@ async def _p5(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     names = _systems(args)
     log_dir = Path(args.log_dir) if args.log_dir else None
+    try:
+        pool_settings = parse_params(args.pool_set)
+    except ValueError as exc:
+        raise SystemExit(f"--pool-set: {exc}") from None
     cfg = StackConfig(
+        pool_settings=pool_settings,
         workers=args.workers,
         speedup=args.speedup,
         kv_blocks=args.kv_blocks,
@@ -886,7 +928,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         targets_note = f"checks against smg fail: {reason}"
     else:
         targets_note = ""
-    if args.mode == "completion":  # P5 is worded for chats: its bounds, on other requests
+    if args.mode != "chat":  # P5 is worded for chats: its bounds, on other requests
         targets_note = "; ".join(
             filter(None, [targets_note, "P5's bounds applied to completions (P5 is on chats)"])
         )
