@@ -335,11 +335,18 @@ def test_smoke_cold_mode_with_a_pool_setting(
         assert s["overlap_held_fraction"] is None and s["overlap_wait_mean_ms"] is None, s
 
 
-def test_a_malformed_pool_setting_is_refused_before_anything_starts() -> None:
+@pytest.mark.parametrize(
+    ("pair", "error"),
+    [
+        ("tokenize_overlap_cold", "--pool-set: expected PARAM=VALUE"),
+        ("tokenize_overlap_cld=false", "--pool-set: unknown pool setting.s. tokenize_overlap_cld"),
+    ],
+)
+def test_a_malformed_pool_setting_is_refused_before_anything_starts(pair: str, error: str) -> None:
     parser = argparse.ArgumentParser()
     benchmarks.add_arguments(parser)
-    args = parser.parse_args(["gateway", "--pool-set", "tokenize_overlap_cold"])
-    with pytest.raises(SystemExit, match="--pool-set: expected PARAM=VALUE"):
+    args = parser.parse_args(["gateway", "--pool-set", pair])
+    with pytest.raises(SystemExit, match=error):
         benchmarks.run(args)
 
 

@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -83,6 +84,7 @@ from typing import Any, TypeVar
 import aiohttp
 import msgspec
 
+from gateway.config import PoolSettings
 from loadtest.benchmarks import _stall
 from loadtest.peers import Peer, PeerNotInstalled, is_peer, launch, peer_spec, pool_from_stack
 from loadtest.simulate import parse_params
@@ -864,6 +866,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pool_settings = parse_params(args.pool_set)
     except ValueError as exc:
         raise SystemExit(f"--pool-set: {exc}") from None
+    unknown = sorted(set(pool_settings) - {f.name for f in dataclasses.fields(PoolSettings)})
+    if unknown:  # refused here, not by a gateway that fails to start
+        raise SystemExit(f"--pool-set: unknown pool setting(s) {', '.join(unknown)}")
     cfg = StackConfig(
         pool_settings=pool_settings,
         workers=args.workers,
