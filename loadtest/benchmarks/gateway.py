@@ -354,7 +354,11 @@ def _make_conversations(
     then its own history; twins have the same lengths and different words."""
     shared = random.Random(f"{seed}-system")
     system_prompt = _text(shared, 200)  # a short shared head, as real deployments have
-    hot = {"completion": _text(shared, args.prompt_tokens), "cold": ""}.get(args.mode)
+    hot = None  # chats
+    if args.mode == "completion":
+        hot = _text(shared, args.prompt_tokens)
+    elif args.mode == "cold":
+        hot = ""
     question_words = args.prompt_tokens if args.mode == "cold" else args.user_tokens
     n_twins = max(1, math.ceil(args.conversations / max(1, args.direct_every)))
     twins: list[TwinPair] = []
