@@ -253,8 +253,10 @@ def test_replicas_refuses_bad_arguments(argv: list[str], says: str) -> None:
 
 
 def test_tokenize(capsys: pytest.CaptureFixture[str]) -> None:
-    r = bench(capsys, "tokenize", "--tokens", "1500", "--repeats", "2")
+    r = bench(capsys, "tokenize", "--tokens", "1500", "--repeats", "2", "--idle-ms", "5")
     assert r["ids_identical"] and r["incremental"]
+    assert r["piece_cpu_ms_back_to_back"] > 0 and r["piece_cpu_ms_after_idle"] > 0
+    assert r["piece_after_idle_ratio"] > 0
     assert not r["p4_applies"]  # P4 names an 8,000-token conversation
     assert r["ok"] and 0 < r["tokenize_followup_ratio"] < 1
 

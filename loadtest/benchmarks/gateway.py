@@ -980,6 +980,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 user_words=60,
                 seed=7,
                 turns=0,
+                idle_ms=0.0,
             )
         )
         result["tokenize_followup_ratio"] = tok["tokenize_followup_ratio"]

@@ -15,7 +15,11 @@ tokenized by the bundled DeepSeek-V3 tokenizer three ways, each the median over 
   message each, fresh text every time, a few milliseconds idle between them, as a gateway
   sees them), the process's CPU over the whole loop, so that what HF tokenizers' threads
   burn after a call returns counts too; in rounds alternating the tokenizer's rule for short
-  uncached pieces (one text per call) with one parallel ``encode_batch`` of them all.
+  uncached pieces (one text per call) with one parallel ``encode_batch`` of them all;
+* ``idle``: a cold completion's first piece (a fresh ~1 KB text: what the gateway encodes on
+  its loop to look a cold prompt up) encoded right after another, and after ``--idle-ms`` of
+  sleep, alternated: at a low request rate every request finds the tokenizer's tables out of
+  the CPU's caches, and pays several times what a loop of calls back to back measures.
 
 One long-lived tokenizer is used, as in a gateway, and only its piece cache is cleared before
 each cold measurement (HF tokenizers' own BPE word cache stays warm, as it does in service).
@@ -83,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--turns", type=int, default=100, help="new turns per round of the `turn` phase"
+    )
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=50.0,
+        help="the `idle` phase's sleep before each call (a request every 50 ms: 20 req/s; 0 "
+        "skips the phase)",
     )
     parser.add_argument("--seed", type=int, default=7)
 
@@ -252,6 +263,36 @@ def _turns(
     }
 
 
+#: words of the `idle` phase's pieces: about the 1 KB chunk a completion prompt is cut into
+_PIECE_WORDS = 170
+
+
+def _idle(tok: Tokenizer, plain: tokenizers.Tokenizer, args: argparse.Namespace) -> dict[str, Any]:
+    """CPU ms of a fresh piece's encode back to back and after ``--idle-ms`` of sleep
+    (alternated, ``--repeats`` each, every text new), and their ratio."""
+    rng = random.Random(args.seed + 2)
+    back: list[float] = []
+    idle: list[float] = []
+    ok = True
+    for _ in range(args.repeats):
+        for after_idle in (False, True):
+            tok.encode(_paragraph(rng, _PIECE_WORDS), add_special_tokens=False)  # warm
+            text = _paragraph(rng, _PIECE_WORDS)
+            if after_idle:
+                time.sleep(args.idle_ms / 1000)
+            cpu, _, ids = _timed(lambda: tok.encode(text, add_special_tokens=False))  # noqa: B023
+            (idle if after_idle else back).append(cpu)
+            ok &= ids == plain.encode(text, add_special_tokens=False).ids
+    back_ms, idle_ms = _median_ms(back), _median_ms(idle)
+    return {
+        "piece_words": _PIECE_WORDS,
+        "piece_cpu_ms_back_to_back": back_ms,
+        "piece_cpu_ms_after_idle": idle_ms,
+        "piece_after_idle_ratio": round(idle_ms / back_ms, 2) if back_ms else None,
+        "ids_identical": ok,
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     path = bundled_test_tokenizer()
     probe = Tokenizer.load(path, args.template)
@@ -293,6 +334,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ok &= completion.pop("ids_identical")
     turns = _turns(tok, plain, messages, args) if args.turns > 0 else {}
     ok &= turns.pop("ids_identical", True)
+    idle = _idle(tok, plain, args) if args.idle_ms > 0 else {}
+    ok &= idle.pop("ids_identical", True)
     stats = tok.stats
     cold_cpu, warm_cpu, full_cpu = (_median_ms(x["cpu"]) for x in (cold, warm, full))
     cold_wall, warm_wall, full_wall = (_median_ms(x["wall"]) for x in (cold, warm, full))
@@ -322,6 +365,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "chunked": stats.chunked,
         **completion,
         **turns,
+        **idle,
         "ids_identical": ok,
     }
     result["ok"] = ok and stats.incremental and (result["meets_p4"] or not result["p4_applies"])
@@ -346,6 +390,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             {
                 "measure": "new turn, every batch parallel",
                 "cpu_ms": turns["turn_cpu_ms_every_batch_parallel"],
+            },
+        ]
+    if idle:
+        result["table"] += [
+            {
+                "measure": "a fresh ~1 KB piece, back to back",
+                "cpu_ms": idle["piece_cpu_ms_back_to_back"],
+            },
+            {
+                "measure": f"the same after {args.idle_ms:g} ms idle",
+                "cpu_ms": idle["piece_cpu_ms_after_idle"],
             },
         ]
     return result
