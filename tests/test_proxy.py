@@ -447,8 +447,8 @@ async def test_the_wait_for_an_overlapped_prompts_exact_ids_is_measured() -> Non
 
     tok.aencode_planned = slow_first  # type: ignore[method-assign]
 
-    def wait_series(suffix: str, label: str = "") -> float:
-        name = "kvroute_tokenization_overlap_wait_seconds" + suffix
+    def wait_series(suffix: str, label: str = "", base: str = "overlap_wait_seconds") -> float:
+        name = "kvroute_tokenization_" + base + suffix
         return sum(
             float(line.rsplit(" ", 1)[1])
             for line in gw.metrics.exposition().decode().splitlines()
@@ -466,7 +466,7 @@ async def test_the_wait_for_an_overlapped_prompts_exact_ids_is_measured() -> Non
                     assert wait_series("_count") == 1 and wait_series("_sum") >= 0.05
                     answered.clear()
                     encoded.clear()  # the second is answered after its own encode
-        assert gw.metrics.exposition().count(b"kvroute_tokenization_overlapped_total{") == 1
+        assert wait_series("_total", base="overlapped") == 2  # both routed on a first piece
         assert wait_series("_count") == 2  # both overlapped, both observed
         assert wait_series("_bucket", 'le="0.0"') == 1  # the second never waited
         assert 0.05 <= wait_series("_sum") < 5.0

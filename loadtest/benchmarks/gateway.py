@@ -870,7 +870,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pool_settings = parse_params(args.pool_set)
     except ValueError as exc:
         raise SystemExit(f"--pool-set: {exc}") from None
-    unknown = sorted(set(pool_settings) - {f.name for f in dataclasses.fields(PoolSettings)})
+    known = {f.name for f in dataclasses.fields(PoolSettings) if f.init}
+    unknown = sorted(set(pool_settings) - known)
     if unknown:  # refused here, not by a gateway that fails to start
         raise SystemExit(f"--pool-set: unknown pool setting(s) {', '.join(unknown)}")
     cfg = StackConfig(
