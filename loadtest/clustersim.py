@@ -235,6 +235,9 @@ class ClusterConfig:
     block_size: int = 16  # engine block size = canonical block size
     timing: str = "mocker"
     speedup: float = 1.0
+    #: what a step's quadratic prefill term is paid on ("batch", "sequence"; see
+    #: loadtest/enginesim/timing.py)
+    attention: str = "batch"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     chunked_prefill: bool = True
@@ -297,7 +300,7 @@ class ClusterConfig:
         return list(self.names) or [f"worker-{i}" for i in range(self.workers)]
 
     def timing_model(self) -> TimingModel:
-        base = timing_model(self.timing, self.speedup)
+        base = timing_model(self.timing, self.speedup, self.attention)
         s = self.compute_scale
         if s == 1:
             return base
@@ -1241,11 +1244,7 @@ def cold_prefill_p99_ms(arrivals: Iterable[Arrival], config: ClusterConfig) -> f
     """
     t = config.timing_model()
     chunk = config.max_num_batched_tokens
-    times = []
-    for a in arrivals:
-        full, rest = divmod(a.prompt_tokens, chunk)
-        s = full * t.step_seconds(chunk, 0, 0.0) + (t.step_seconds(rest, 0, 0.0) if rest else 0.0)
-        times.append(s)
+    times = [t.cold_prefill_seconds(a.prompt_tokens, chunk) for a in arrivals]
     return float(np.percentile(times, 99)) * 1000.0 if times else 0.0
 
 

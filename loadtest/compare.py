@@ -180,6 +180,9 @@ class CompareConfig:
     max_model_len: int = 262_144
     speedup: float = 1.0
     timing: str = "mocker"
+    #: what the simulated engines' quadratic prefill term is paid on: "batch" (every figure
+    #: on record) or "sequence" (each chunk attends to its own context; timing.py)
+    attention: str = "batch"
     duration: float = 60.0
     slo_ttft_ms: float = 1000.0
     #: extra live runs per system to narrow its capacity at SLO (0: the sweep's runs only)
@@ -617,6 +620,7 @@ def _cluster(cfg: CompareConfig) -> ClusterConfig:
         block_size=cfg.block_size,
         timing=cfg.timing,
         speedup=cfg.speedup,
+        attention=cfg.attention,
         seed=cfg.seed,
         slo_ttft_ms=cfg.slo_ttft_ms,
     )
@@ -862,6 +866,7 @@ def run_compare(cfg: CompareConfig) -> dict[str, Any]:
         block_size=cfg.block_size,
         speedup=cfg.speedup,
         timing=cfg.timing,
+        attention=cfg.attention,
         max_model_len=cfg.max_model_len,
         gateways=0,
         log_dir=out / "logs",

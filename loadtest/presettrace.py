@@ -117,6 +117,7 @@ def preset_cluster(cfg: CompareConfig, spec: str, seed: int, replicas: int = 1) 
         block_size=cfg.block_size,
         timing=cfg.timing,
         speedup=cfg.speedup,
+        attention=cfg.attention,
         seed=seed,
         slo_ttft_ms=cfg.slo_ttft_ms,
     )

@@ -70,6 +70,7 @@ class StackConfig:
     kv_blocks: int = 16384
     speedup: float = 1.0
     timing: str = "mocker"
+    attention: str = "batch"  # the sim engines' quadratic prefill term (timing.py)
     max_model_len: int = 65536
     #: gateway replicas, each its own process on its own port
     gateways: int = 1
@@ -238,7 +239,8 @@ class Stack:
             "--flavor", c.flavor, "--model", c.model, "--tokenizer", self.tokenizer_path(),
             "--chat-template", c.chat_template, "--kv-blocks", str(c.kv_blocks),
             "--block-size", str(c.block_size), "--speedup", str(c.speedup),
-            "--timing", c.timing, "--max-model-len", str(c.max_model_len),
+            "--timing", c.timing, "--attention", c.attention,
+            "--max-model-len", str(c.max_model_len),
             "--dp-size", str(c.dp_size), *c.sim_args, *pd,
         ]  # fmt: skip
 

@@ -16,8 +16,10 @@ import pytest
 
 from gateway.contract.settings import ConfigError
 from loadtest.benchmarks import sim as bench_sim
+from loadtest.compare import CompareConfig, _cluster
 from loadtest.enginesim import cli
 from loadtest.harness import ChildProcess
+from loadtest.stack import Stack, StackConfig
 
 
 def contiguous_free_ports(n: int) -> int:
@@ -96,6 +98,22 @@ def test_config_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="kv_blocks"):
         cli.build_config(parse(["--set", "cache.kv_blocks=-3"]))
     assert cli.run(parse(["--set", "cache.nonsense=1"])) == 2
+
+
+def test_attention_reaches_every_engine_the_comparison_runs(tmp_path: Path) -> None:
+    """``attention`` set on a comparison reaches its offline cluster (bounds, capacity) and
+    the live sim processes (their ``--attention`` flag); a bad value is a config error."""
+    cfg = cli.build_config(parse(["--timing", "seed-70b", "--attention", "sequence"]))
+    assert cfg.timing.attention == "sequence"
+    assert cli.build_config(parse([])).timing.attention == "batch"
+    with pytest.raises(ConfigError, match="attention"):
+        cli.build_config(parse(["--set", "timing.attention=tokens"]))
+    args = Stack(StackConfig(attention="sequence", log_dir=tmp_path))._sim_args(2, 0, 0)
+    assert args[args.index("--attention") + 1] == "sequence"
+    compare_cfg = CompareConfig(timing="seed-70b", attention="sequence")
+    assert _cluster(compare_cfg).timing_model().attention == "sequence"
+    with pytest.raises(ValueError, match="attention"):
+        _cluster(CompareConfig(attention="tokens")).timing_model()
 
 
 def test_bench_sim_smoke() -> None:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from loadtest.enginesim.config import CacheConfig, SchedulerConfig
+from loadtest.enginesim.config import CacheConfig, SchedulerConfig, TimingConfig
 from loadtest.enginesim.kvcache import BlocksRemoved, BlocksStored
 from loadtest.enginesim.scheduler import EngineCore, RequestState, RequestTooLarge
 from loadtest.enginesim.timing import PRESETS, timing_model
@@ -71,6 +71,68 @@ def test_ttft_of_a_hit_is_a_fraction_of_a_miss() -> None:
     assert hit.cached_tokens == 6128  # all but the last block, as vLLM recomputes it
     assert hit.first_token_time is not None
     assert hit.first_token_time - hit.arrival == pytest.approx(0.042, rel=0.02)
+
+
+def _seq_core(preset: str = "seed-70b", **sched: int) -> EngineCore:
+    return EngineCore(
+        CacheConfig(kv_blocks=4096, block_size=16),
+        SchedulerConfig(**sched),  # type: ignore[arg-type]
+        timing_model(preset, attention="sequence"),
+    )
+
+
+def test_sequence_attention_charges_each_chunk_its_own_context() -> None:
+    """``attention: sequence``: a step's quadratic term is paid per sequence on its own
+    context, not on the batch's tokens together; linear and per-step terms are unchanged."""
+    t = timing_model("seed-70b", attention="sequence")
+    a, b, c = t.prefill_a, t.prefill_b, t.prefill_c
+    # four 2,048-token prompts in one step: a quarter of "batch"'s quadratic term
+    core = _seq_core()
+    reqs = [core.add_request(prompt(2048, i), 2, now=0.0) for i in range(4)]
+    res = core.step(0.0)
+    assert res.prefill_tokens == 8192 and res.scheduled == reqs
+    assert res.duration == pytest.approx((a * 4 * 2048**2 + b * 8192 + c) / 1000)
+    batch = timing_model("seed-70b").step_seconds(8192, 0, 0.0)
+    assert res.duration < batch
+    # a 200-token turn after its 6,016 cached tokens attends to them
+    core = _seq_core()
+    p = prompt(6016, 9)
+    core.add_request(p, 1, now=0.0)
+    run_all(core)
+    turn = core.add_request([*p, *prompt(200, 10)], 1, now=core.free_at + 1.0)
+    res = core.step(turn.arrival)
+    ctx = turn.cached_tokens
+    new = 6216 - ctx
+    assert ctx == 6016 and res.prefill_tokens == new  # the first turn's whole prompt
+    assert res.duration == pytest.approx((a * new * (new + 2 * ctx) + b * new + c) / 1000)
+
+
+def test_sequence_attention_keeps_a_lone_prompts_cost() -> None:
+    """One prompt alone pays ``a·T²`` whichever way it is chunked (its chunks tile the
+    triangle), so a lone cold prefill costs what the preset was fitted on, plus ``c`` per
+    extra step; ``cold_prefill_seconds`` (the capacity yardstick) agrees with the engine."""
+    t = timing_model("seed-70b", attention="sequence")
+    for budget in (8192, 1024):
+        core = _seq_core(max_num_batched_tokens=budget)
+        r = core.add_request(prompt(6144, 1), 1, now=0.0)
+        run_all(core)
+        assert r.first_token_time is not None
+        steps = -(-6144 // budget)
+        expected = (PRESETS["seed-70b"].prefill_ms(6144) + (steps - 1) * t.prefill_c) / 1000
+        assert r.first_token_time == pytest.approx(expected)
+        assert t.cold_prefill_seconds(6144, budget) == pytest.approx(expected)
+    assert t.cold_prefill_seconds(0, 8192) == 0.0
+    batch = timing_model("seed-70b")
+    assert batch.cold_prefill_seconds(6144, 1024) == pytest.approx(
+        6 * batch.step_seconds(1024, 0, 0.0)
+    )
+
+
+def test_an_unknown_attention_is_refused() -> None:
+    with pytest.raises(ValueError, match="attention must be one of batch, sequence"):
+        timing_model("seed-70b", attention="tokens")
+    with pytest.raises(ValueError, match=r"timing\.attention"):
+        TimingConfig(attention="tokens")
 
 
 # -- batching --------------------------------------------------------------------------------

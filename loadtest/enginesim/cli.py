@@ -18,7 +18,7 @@ import zmq
 
 from gateway.contract.settings import ConfigError, parse_assignments
 from loadtest.enginesim.config import SimConfig, load_sim_config
-from loadtest.enginesim.timing import PRESETS
+from loadtest.enginesim.timing import ATTENTION, PRESETS
 
 __all__ = ["add_arguments", "build_config", "run"]
 
@@ -40,6 +40,7 @@ _FLAGS: dict[str, str] = {
     "max_model_len": "scheduler.max_model_len",
     "timing": "timing.preset",
     "speedup": "timing.speedup",
+    "attention": "timing.attention",
     "events_encoding": "events.encoding",
     "hash_format": "events.hash_format",
     "replay_layout": "events.replay_layout",
@@ -65,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-model-len", type=int, help="context length limit (default 32768)")
     a("--timing", choices=sorted(PRESETS), help="timing preset (default mocker)")
     a("--speedup", type=float, help="divide every step time by this (default 1)")
+    a(
+        "--attention",
+        choices=list(ATTENTION),
+        help="what a step's quadratic prefill term is paid on: the batch's tokens together"
+        " or each sequence's chunk against its own context (default batch)",
+    )
     a("--events-encoding", choices=["map", "array"], help="KV event encoding (default map)")
     a("--hash-format", choices=["int", "bytes"], help="vLLM event hashes (default int)")
     a("--replay-layout", choices=["auto", "legacy", "topic"], help="replay reply frames")

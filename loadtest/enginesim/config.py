@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from gateway.contract.settings import ConfigError, load_config
 from loadtest.enginesim.lora import LoraConfig
+from loadtest.enginesim.timing import ATTENTION
 
 __all__ = [
     "ENV_PREFIX",
@@ -148,9 +149,14 @@ class SchedulerConfig:
 class TimingConfig:
     preset: str = "mocker"  # see timing.PRESETS
     speedup: float = 1.0  # divides every step time
+    attention: str = "batch"  # what the quadratic prefill term is paid on (timing.py)
 
     def __post_init__(self) -> None:
         _positive("timing", speedup=self.speedup)
+        if self.attention not in ATTENTION:
+            raise ValueError(
+                f"timing.attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}"
+            )
 
 
 @dataclass

@@ -119,7 +119,9 @@ class SimWorker:
         self.codec = codec
         self._zmq = zmq_ctx
         self.http_port = http_port
-        self._base_timing = timing_model(config.timing.preset, config.timing.speedup)
+        self._base_timing = timing_model(
+            config.timing.preset, config.timing.speedup, config.timing.attention
+        )
         self.alive = False
         self.paused = False
         self.slowdown = 1.0
