@@ -75,7 +75,7 @@ from loadtest.enginesim.kvcache import (
     KVEvent,
 )
 from loadtest.enginesim.scheduler import EngineCore, StepResult
-from loadtest.enginesim.timing import TimingModel, timing_model
+from loadtest.enginesim.timing import Attention, TimingModel, timing_model
 
 __all__ = [
     "Arrival",
@@ -237,7 +237,7 @@ class ClusterConfig:
     speedup: float = 1.0
     #: what a step's quadratic prefill term is paid on ("batch", "sequence"; see
     #: loadtest/enginesim/timing.py)
-    attention: str = "batch"
+    attention: Attention = "batch"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     chunked_prefill: bool = True

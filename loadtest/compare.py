@@ -60,7 +60,7 @@ from loadtest.clustersim import (
     simulate,
 )
 from loadtest.driver import DriverConfig, balance, run_load, summarize
-from loadtest.enginesim.timing import timing_model
+from loadtest.enginesim.timing import Attention, timing_model
 from loadtest.harness import post_json
 from loadtest.paired import LEVEL, RESAMPLES, versus
 from loadtest.peers import (
@@ -182,7 +182,7 @@ class CompareConfig:
     timing: str = "mocker"
     #: what the simulated engines' quadratic prefill term is paid on: "batch" (every figure
     #: on record) or "sequence" (each chunk attends to its own context; timing.py)
-    attention: str = "batch"
+    attention: Attention = "batch"
     duration: float = 60.0
     slo_ttft_ms: float = 1000.0
     #: extra live runs per system to narrow its capacity at SLO (0: the sweep's runs only)

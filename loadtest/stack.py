@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from gateway.contract.wire import key_digest
+from loadtest.enginesim.timing import Attention
 from loadtest.harness import (
     ChildProcess,
     HarnessError,
@@ -70,7 +71,7 @@ class StackConfig:
     kv_blocks: int = 16384
     speedup: float = 1.0
     timing: str = "mocker"
-    attention: str = "batch"  # the sim engines' quadratic prefill term (timing.py)
+    attention: Attention = "batch"  # the sim engines' quadratic prefill term (timing.py)
     max_model_len: int = 65536
     #: gateway replicas, each its own process on its own port
     gateways: int = 1

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from gateway.contract.settings import ConfigError, load_config
 from loadtest.enginesim.lora import LoraConfig
-from loadtest.enginesim.timing import ATTENTION
+from loadtest.enginesim.timing import ATTENTION, Attention
 
 __all__ = [
     "ENV_PREFIX",
@@ -149,7 +149,7 @@ class SchedulerConfig:
 class TimingConfig:
     preset: str = "mocker"  # see timing.PRESETS
     speedup: float = 1.0  # divides every step time
-    attention: str = "batch"  # what the quadratic prefill term is paid on (timing.py)
+    attention: Attention = "batch"  # what the quadratic prefill term is paid on (timing.py)
 
     def __post_init__(self) -> None:
         _positive("timing", speedup=self.speedup)

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-__all__ = ["ATTENTION", "PRESETS", "TimingModel", "timing_model"]
+__all__ = ["ATTENTION", "PRESETS", "Attention", "TimingModel", "timing_model"]
 
 #: what a step's quadratic prefill term is paid on (see the module docstring)
-ATTENTION = ("batch", "sequence")
+Attention = Literal["batch", "sequence"]
+ATTENTION: tuple[str, ...] = get_args(Attention)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +55,7 @@ class TimingModel:
     decode_floor: float = 1.0
     speedup: float = 1.0
     #: what the quadratic prefill term is paid on: "batch" or "sequence" (module docstring)
-    attention: str = "batch"
+    attention: Attention = "batch"
 
     def __post_init__(self) -> None:
         if not self.speedup > 0:
@@ -114,7 +116,7 @@ PRESETS: dict[str, TimingModel] = {
 
 
 def timing_model(
-    preset: str = "mocker", speedup: float = 1.0, attention: str = "batch"
+    preset: str = "mocker", speedup: float = 1.0, attention: Attention = "batch"
 ) -> TimingModel:
     try:
         base = PRESETS[preset]
