@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from gateway.contract.settings import ConfigError, load_config
 from loadtest.enginesim.lora import LoraConfig
-from loadtest.enginesim.timing import ATTENTION, Attention
+from loadtest.enginesim.timing import Attention
 
 __all__ = [
     "ENV_PREFIX",
@@ -153,10 +153,6 @@ class TimingConfig:
 
     def __post_init__(self) -> None:
         _positive("timing", speedup=self.speedup)
-        if self.attention not in ATTENTION:
-            raise ValueError(
-                f"timing.attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}"
-            )
 
 
 @dataclass

@@ -307,7 +307,7 @@ class EngineCore:
             self._free_at = start
             return res
         prefill_tokens = sum(c for _, c in chunks)
-        attended = -1.0  # "batch": the step's prefill tokens squared
+        attended: float | None = None  # "batch": the step's prefill tokens squared
         if self.timing.attention == "sequence":
             attended = float(sum(c * (c + 2 * req.computed_tokens) for req, c in chunks))
         dt = self.timing.step_seconds(prefill_tokens, n_dec, self.kv_usage, attended)

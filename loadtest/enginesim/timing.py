@@ -74,14 +74,14 @@ class TimingModel:
         )
 
     def step_seconds(
-        self, prefill_tokens: int, decode_seqs: int, usage: float, attended: float = -1.0
+        self, prefill_tokens: int, decode_seqs: int, usage: float, attended: float | None = None
     ) -> float:
         """Wall time of one step, speed-up applied. ``attended``: the step's quadratic
-        units, ``Σ c·(c + 2·ctx)`` over its chunks (``attention`` "sequence"); negative:
+        units, ``Σ c·(c + 2·ctx)`` over its chunks (``attention`` "sequence"); None:
         ``prefill_tokens²`` ("batch", or a step whose chunks are not known)."""
         ms = 0.0
         if prefill_tokens > 0:
-            if attended < 0:
+            if attended is None:
                 ms += self.prefill_ms(prefill_tokens)
             else:
                 ms += self.prefill_a * attended + self.prefill_b * prefill_tokens
