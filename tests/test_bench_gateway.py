@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from loadtest import benchmarks
+from loadtest.benchmarks import _stall
 from loadtest.benchmarks import gateway as gw
 from loadtest.harness import HarnessError
 
@@ -389,8 +390,15 @@ def test_smoke_stall_and_gateway_processes(capsys: pytest.CaptureFixture[str]) -
         assert (ph["long_requests"] > 0) == (name != "quiet"), (name, ph)
     assert stall["added_p99_offload_vs_no_offload"] > 0
     new = stall["new_conversation"]
-    # a new conversation under a known system prompt: a fraction of the cold chat's CPU
+    # a new conversation under a known system prompt: a fraction of the cold chat's CPU, and
+    # little more than the same kind of chat under a short prompt (re-encoding the known
+    # prompt would add about the whole cold chat)
     assert new["new_conversation_cpu_ms"] < 0.5 * new["cold_chat_cpu_ms"], new
+    assert 0 < new["short_system_cpu_ms"] < new["cold_chat_cpu_ms"], new
+    assert new["known_prompt_extra_ms"] < 0.25 * new["cold_chat_cpu_ms"], new
+    assert new["pays_only_new_text"] == (
+        new["known_prompt_extra_ms"] <= _stall.KNOWN_PROMPT_SHARE * new["cold_chat_cpu_ms"]
+    ), new
     rows = {row["system"] for row in r["table"]}
     assert {f"kvroute stall: {p}" for p in stall["phases"]} <= rows
 

@@ -15,10 +15,19 @@ answers too): the figure is the p99 of the paired differences, routed TTFT - dir
 
 **New conversation under a known system prompt.** In process, on the pool's tokenizer: CPU of
 a cold chat (a ``--stall-long-words`` system prompt and a user message), of a second chat
-under the same system prompt with another user message, and of encoding another fresh
-message of the same length alone (not the second chat's own: HF tokenizers' word cache would
-serve it). Each is measured apart from the others, with the threads a parallel encode leaves
-spinning counted where they were started, less an empty call's CPU.
+under the same system prompt with another user message, of the same kind of chat under a
+known system prompt of ``SHORT_SYSTEM_WORDS`` words, and of encoding another fresh message of
+the same length alone (not the second chat's own: HF tokenizers' word cache would serve it).
+Each is measured apart from the others, with the threads a parallel encode leaves spinning
+counted where they were started, less an empty call's CPU; the four alternate, so a drifting
+machine moves them alike.
+
+"Pays only for its new text" is judged against the short-prompt chat, not the message alone:
+a chat request is rendered through its template and its ids assembled whatever its system
+prompt, and a chat under a 20-word prompt pays for nothing but its new text. What the long
+known prompt adds over it (``known_prompt_extra_ms``) is what the new conversation pays for
+the prompt it did not have to encode; ``pays_only_new_text`` holds when that is at most
+``KNOWN_PROMPT_SHARE`` of the prompt's cold encode (re-encoding it would cost all of it).
 """
 
 from __future__ import annotations
@@ -210,6 +219,13 @@ def run_stall(
 _SETTLE_S = 0.005
 
 
+#: the known short system prompt of the baseline chat, and how many times each call is timed
+SHORT_SYSTEM_WORDS = 20
+_NEW_CONVERSATION_REPEATS = 7
+#: the most of a known prompt's cold encode that a new conversation under it may pay
+KNOWN_PROMPT_SHARE = 0.05
+
+
 def _settled_cpu(fn: Callable[[], Any]) -> float:
     """Process CPU seconds of ``fn`` and of the settle time after it, after a settle before it."""
     time.sleep(_SETTLE_S)
@@ -220,36 +236,52 @@ def _settled_cpu(fn: Callable[[], Any]) -> float:
 
 
 def new_conversation_cost(tokenizer_path: str, template: str, words: int) -> dict[str, Any]:
-    """CPU ms: a cold chat, a new chat under its (now known) system prompt, and the new chat's
-    user message encoded alone (median of 5 each, fresh texts every time), each measured apart
-    from the others' threads, less an empty call's."""
+    """CPU ms: a cold chat, a new chat under its (now known) system prompt, a new chat under a
+    known short system prompt, and a new chat's user message encoded alone (median of
+    ``_NEW_CONVERSATION_REPEATS``, fresh texts every time), each measured apart from the
+    others' threads, less an empty call's."""
     from gateway.tokenization import Tokenizer
 
     rng = random.Random(11)
-    cold, new, alone, idle = [], [], [], []
-    for _ in range(5):
+    cold, new, short, alone, idle = [], [], [], [], []
+    for _ in range(_NEW_CONVERSATION_REPEATS):
         tok = Tokenizer.load(tokenizer_path, template)
         system = {"role": "system", "content": _novel(rng, words)}
+        brief = {"role": "system", "content": _novel(rng, SHORT_SYSTEM_WORDS)}
         first = [system, {"role": "user", "content": _novel(rng, 60)}]
+        tok.encode_chat([brief, {"role": "user", "content": _novel(rng, 60)}])  # now known
         # the new text alone is another fresh text of the same length: HF tokenizers caches
         # the words it has seen, so the new chat's own text would be cheaper the second time
-        user, other = _novel(rng, 60), _novel(rng, 60)
+        user, other, third = _novel(rng, 60), _novel(rng, 60), _novel(rng, 60)
         cold.append(_settled_cpu(lambda: tok.encode_chat(first)))  # noqa: B023 (called at once)
-        chat = [system, {"role": "user", "content": user}]
+        # as a request brings them: strings parsed anew, their hashes not yet cached
+        chat = [_fresh(system), {"role": "user", "content": user}]
         new.append(_settled_cpu(lambda: tok.encode_chat(chat)))  # noqa: B023
+        chat2 = [_fresh(brief), {"role": "user", "content": third}]
+        short.append(_settled_cpu(lambda: tok.encode_chat(chat2)))  # noqa: B023
         alone.append(_settled_cpu(lambda: tok.encode(other, add_special_tokens=False)))  # noqa: B023
         idle.append(_settled_cpu(lambda: None))
         tok.close()
     base = sorted(idle)[len(idle) // 2]
-    cold, new, alone = ([max(x - base, 0.0) for x in xs] for xs in (cold, new, alone))
+    cold, new, short, alone = ([max(x - base, 0.0) for x in xs] for xs in (cold, new, short, alone))
 
     def med(xs: list[float]) -> float:
         return round(sorted(xs)[len(xs) // 2] * 1e3, 3)
 
+    extra = round(med(new) - med(short), 3)
     return {
         "system_words": words,
         "cold_chat_cpu_ms": med(cold),
         "new_conversation_cpu_ms": med(new),
+        "short_system_cpu_ms": med(short),
         "new_text_alone_cpu_ms": med(alone),
         "new_conversation_vs_cold": round(med(new) / med(cold), 3) if med(cold) else None,
+        "known_prompt_extra_ms": extra,
+        "known_prompt_extra_vs_cold": round(extra / med(cold), 4) if med(cold) else None,
+        "pays_only_new_text": bool(med(cold) and extra <= KNOWN_PROMPT_SHARE * med(cold)),
     }
+
+
+def _fresh(message: dict[str, str]) -> dict[str, str]:
+    """``message`` with its strings as new objects, as a request's JSON parse makes them."""
+    return {k: (v + " ")[:-1] for k, v in message.items()}

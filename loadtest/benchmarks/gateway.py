@@ -1014,6 +1014,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             for phase, r in stall.get("phases", {}).items()
         ]
+        + [
+            {
+                "system": "kvroute new conversation (P4)",
+                "P5 ok": f"{nc['new_conversation_cpu_ms']} ms under the known prompt, "
+                f"{nc['short_system_cpu_ms']} under a short one; pays only its new text: "
+                f"{nc['pays_only_new_text']}",
+            }
+            for nc in filter(None, [stall.get("new_conversation")])
+        ]
     )
     json.dumps(result)
     return result
