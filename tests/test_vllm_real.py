@@ -62,6 +62,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         max_model_len=2048,
         log_dir=tmp_path_factory.mktemp("vllm-stack"),
         start_timeout=600,
+        # no torch.compile: the same engine, started in a fraction of the time; nothing here
+        # is about its speed
+        vllm_args=["--enforce-eager"],
     )
     with Stack(cfg) as s:
         yield s
@@ -298,6 +301,13 @@ def test_token_ids_equal_vllms_for_every_bundled_template(stack: Stack) -> None:
         reused.append(ours.stats.prefix_hits)
     assert checked == len(bundled_templates()) * len(chats)
     assert min(reused) > 0  # every template reused the shared system prompt
+
+
+def test_every_engine_gets_the_stacks_engine_arguments(stack: Stack) -> None:
+    """``StackConfig.vllm_args`` reach each engine: vLLM logs the configuration it runs."""
+    for engine in stack.engines:
+        log = (stack.log_dir / f"{engine.name}.log").read_text(errors="replace")
+        assert "enforce_eager=True" in log, engine.name
 
 
 def test_load_comes_from_vllms_metrics(stack: Stack) -> None:
