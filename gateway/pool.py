@@ -57,6 +57,11 @@ __all__ = ["Pool", "Prepared"]
 #: event-loop steps an overlapped chat's render waits, so its request is sent before it
 _SEND_FIRST_STEPS = 2
 
+#: uncached pieces (~1 KB each, ``DEFAULT_CHUNK_CHARS``) a completion prompt may have encoded on
+#: the loop to find where the index's match stops (``Pool._closed``): a shared prefix of a few
+#: hundred tokens takes one, and past four the match is a document some worker holds
+_CLOSE_PIECES = 4
+
 #: the request field holding a chat-like request's conversation
 _MESSAGES_PARAM = {"chat": "messages", "responses": "input", "messages": "messages"}
 
@@ -226,9 +231,7 @@ class Pool:
                     return self._overlapped(planned, req.max_tokens, adapter, t0)
                 else:
                     if overlap:
-                        planned, keys = self._closed(
-                            planned, req.prompt_text, req.max_tokens, adapter
-                        )
+                        planned, keys = self._closed(planned, req.max_tokens, adapter)
                         if keys is not None:
                             return self._overlapped(planned, req.max_tokens, adapter, t0, keys)
                     chat = ChatIds(await tok.aencode_planned(planned))
@@ -264,13 +267,16 @@ class Pool:
         )
 
     def _closed(
-        self, planned: PromptPlan, text: str, max_tokens: int | None, adapter: str | None
+        self, planned: PromptPlan, max_tokens: int | None, adapter: str | None
     ) -> tuple[PromptPlan, LazyKeys | None]:
-        """The plan to finish ``text`` with (re-planned once its first uncached piece is
-        encoded here, when it knew less than a block) and, when no worker holds every block
-        of its known ids, their keys: a prefix match that stops inside them cannot grow with
-        the rest of the prompt, so routing on them misses nothing. No keys when that is not
-        so, or not worth it (``_overlaps``' other bounds)."""
+        """The plan to finish the prompt with and, when no worker holds every block of its
+        known ids, their keys: a prefix match that stops inside them cannot grow with the
+        rest of the prompt, so routing on them misses nothing. While some worker holds every
+        known block (a prefix every request shares, then new text), the first uncached piece
+        is encoded here and the prompt re-planned, up to ``_CLOSE_PIECES`` pieces: the match
+        then usually stops in the new text (a document seen nowhere) and the rest is encoded
+        while the request is on its way. No keys when the match goes on past those pieces,
+        or the overlap is not worth it (``_overlaps``' other bounds)."""
         s = self.settings
         if not (
             s.tokenize_overlap_cold
@@ -280,24 +286,25 @@ class Pool:
             and not self.disaggregated
         ):
             return planned, None
-        if planned.known < s.block_size:
+        for encoded in range(_CLOSE_PIECES + 1):
+            if planned.known >= s.block_size:
+                if too_long(planned.estimate, max_tokens, s.max_model_len) is not None:
+                    return planned, None
+                keys = LazyKeys(self.keyer, planned.known_ids(), self.keyer.adapter_root(adapter))
+                masks = self.router.index.match_masks(keys)
+                if not masks or masks[0][0] < len(keys):
+                    return planned, keys
+                # a worker holds every known block: the rest may lengthen its match
+            if encoded == _CLOSE_PIECES:
+                return planned, None
             first = next((p for p in planned.plan.resolved if isinstance(p, str)), None)
             if first is None or len(first) >= s.tokenize_thread_chars:  # not on the loop
                 return planned, None
             self.tokenizer.encode(first, add_special_tokens=False)  # now a cached piece
-            again = self.tokenizer.plan_prompt(text, add_special_tokens=True)
-            if again is None:
-                return planned, None
-            planned = again  # the first piece is no longer missing: not encoded twice
-            if planned.known < s.block_size or planned.missing_chars < s.tokenize_overlap_chars:
+            planned = self.tokenizer.replan_prompt(planned)  # not encoded twice
+            if planned.missing_chars < s.tokenize_overlap_chars:
                 return planned, None  # the rest is short: encoding it beats the overlap
-        if too_long(planned.estimate, max_tokens, s.max_model_len) is not None:
-            return planned, None
-        keys = LazyKeys(self.keyer, planned.known_ids(), self.keyer.adapter_root(adapter))
-        masks = self.router.index.match_masks(keys)
-        if masks and masks[0][0] >= len(keys):
-            return planned, None  # a worker holds all of them: the rest may lengthen its match
-        return planned, keys
+        return planned, None  # not reached: the last pass returns
 
     @property
     def _may_overlap_chats(self) -> bool:

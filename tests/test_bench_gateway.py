@@ -336,6 +336,41 @@ def test_smoke_cold_mode_with_a_pool_setting(
         assert s["overlap_held_fraction"] is None and s["overlap_wait_mean_ms"] is None, s
 
 
+def test_smoke_cold_mode_under_a_shared_head(capsys: pytest.CaptureFixture[str]) -> None:
+    """--mode cold --shared-words: new texts after one head every request shares, as a
+    production trace's prompts. The head's blocks are on the worker after the first request,
+    so the gateway encodes pieces past them until the index's match stops, and routes the
+    prompt on those ids while the rest is encoded: nearly every request is overlapped."""
+    parser = argparse.ArgumentParser()
+    benchmarks.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "gateway", "--json", "--mode", "cold", "--prompt-tokens", "1500",
+            "--shared-words", "400", "--duration", "1.5", "--rate", "10", "--warmup", "0.3",
+            "--rounds", "1", "--conversations", "4", "--throughput-seconds", "0",
+            "--tokenize-repeats", "0", "--systems", gw.KVROUTE, "--stall-seconds", "0",
+        ]
+    )  # fmt: skip
+    benchmarks.run(args)
+    r: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert r["config"]["shared_words"] == 400
+    s = r["systems"][gw.KVROUTE]
+    assert s["errors"] == 0 and s["pairs"] >= 4, s
+    assert s["prompt_tokens_min"] == s["prompt_tokens_max"] == 1900
+    # the shared head is cached by the engine, a small part of each prompt
+    assert 0.1 < s["cached_fraction_routed"] < 0.3, s
+    assert s["overlapped_fraction"] > 0.8, s
+
+
+def test_shared_words_are_for_cold_mode_only() -> None:
+    parser = argparse.ArgumentParser()
+    benchmarks.add_arguments(parser)
+    for argv in (["--shared-words", "10"], ["--mode", "cold", "--shared-words", "-1"]):
+        args = parser.parse_args(["gateway", *argv])
+        with pytest.raises(SystemExit, match="--shared-words"):
+            benchmarks.run(args)
+
+
 @pytest.mark.parametrize(
     ("pair", "error"),
     [

@@ -171,6 +171,27 @@ def test_a_new_question_under_a_cached_document_is_planned_from_the_document(
         tk.plan_prompt(["not", "text"])  # type: ignore[arg-type]
 
 
+def test_a_replanned_prompt_knows_the_pieces_encoded_since(plain: tokenizers.Tokenizer) -> None:
+    """``replan_prompt`` looks the same cut up again: a piece encoded since its plan (the
+    gateway encodes one to find where the index's match stops) is known now, the known ids
+    grow past it, nothing already encoded is missing, and the plan still finishes exactly."""
+    tk = load(1024)
+    head = "".join(f" head{i % 7}" for i in range(300))
+    tk.encode(head + " first question")
+    prompt = head + "".join(f" new{i % 11}" for i in range(2000))
+    planned = tk.plan_prompt(prompt)
+    assert planned is not None and planned.missing_chars > 4_000
+    first = next(p for p in planned.plan.resolved if isinstance(p, str))
+    tk.encode(first, add_special_tokens=False)
+    again = tk.replan_prompt(planned)
+    expected = plain.encode(prompt).ids
+    assert again.plan.items == planned.plan.items  # the same cut, not cut again
+    assert again.known > planned.known and again.known_ids() == expected[: again.known]
+    assert first not in again.plan.missing
+    assert again.missing_chars == planned.missing_chars - len(first)
+    assert tk.encode_planned(again) == expected
+
+
 # -- configurations --------------------------------------------------------------------------
 
 

@@ -110,11 +110,27 @@ def test_what_overlaps_and_what_is_encoded_first(pool: Pool, plain: tokenizers.T
         assert off.rest is None and len(off.ids) == off.prompt_tokens
         again = await pool.prepare(completion(prompt), overlap=True)
         assert again.rest is None  # every piece cached now: nothing to wait for
-        # new text that is most of the prompt, after known ids a worker holds all of: encoded
-        # first (the decision could miss much: that worker's match may go on)
-        short = await pool.prepare(completion(DOCUMENT[:3000] + QUESTION * 3), overlap=True)
-        assert short.rest is None
-        # a cold prompt whose first piece a worker holds: the same
+        # new text that is most of the prompt, after known ids a worker holds all of (a
+        # prefix every request shares): its first pieces are encoded here until the index's
+        # match stops inside the known ids, then it is routed on them while the rest is
+        # encoded; the match on them is the match on the whole prompt
+        shared = DOCUMENT[:3000] + QUESTION * 3
+        held_part = pool.keyer.keys(plain.encode(DOCUMENT[:3000]).ids)[:-1]
+        assert holds_all(pool, decision.worker, held_part)
+        index = pool.router.index
+        short = await pool.prepare(completion(shared), overlap=True)
+        assert short.pending and short.rest is not None
+        exact = plain.encode(shared).ids
+        known = list(short.ids)
+        assert len(known) > BS * len(held_part) and known == exact[: len(known)]
+        on_known = index.match_masks(pool.keyer.keys(known))
+        assert on_known[0][0] < len(known) // BS  # the match stops inside the known ids
+        assert on_known == index.match_masks(pool.keyer.keys(exact))
+        await route_while_encoded(pool, short, 2.0)
+        assert list(short.ids) == exact and short.prompt_tokens == len(exact)
+        assert short.keys.all() == pool.keyer.keys(exact)
+        # a cold prompt whose first pieces a worker holds, as far as the loop looks
+        # (``_CLOSE_PIECES``): encoded first (that worker's match may go on)
         pool.tokenizer.clear_cache()
         held_prompt = DOCUMENT + " Where is omega?"
         encoded = pool.tokenizer._chars_encoded

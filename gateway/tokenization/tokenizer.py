@@ -448,6 +448,16 @@ class Tokenizer:
         plan = self._plan_text(text, add_special_tokens)
         if plan is None:
             return None
+        return self._prompt_plan(plan, add_special_tokens)
+
+    def replan_prompt(self, planned: PromptPlan) -> PromptPlan:
+        """``planned`` looked up again, not cut again: what the piece cache has learnt since
+        (a piece encoded to look the index up) is known now."""
+        items = planned.plan.items
+        again = self._lookup(Plan(planned.plan.text, None, (), 0, items, [], []))
+        return self._prompt_plan(again, planned.add_special_tokens)
+
+    def _prompt_plan(self, plan: Plan, add_special_tokens: bool) -> PromptPlan:
         head, tail = self._specials if add_special_tokens and self._specials else ((), ())
         known, later, chars = len(head), len(tail), 0
         open_ = False  # past the first uncached piece

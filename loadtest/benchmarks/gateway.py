@@ -42,7 +42,9 @@ ABC CBA ...), each phase with fresh conversations:
 
 ``--mode completion`` sends Q3's requests instead (one shared prefix, a new question each) and
 ``--mode cold`` Q5's cold path (every request a new text: nothing cached in the gateway's
-tokenizer or the engine), both on ``/v1/completions``, with P5's bounds applied to them.
+tokenizer or the engine; with ``--shared-words N`` after one N-word head every request
+shares, as a production trace's long prompts do), both on ``/v1/completions``, with P5's
+bounds applied to them.
 
 ``ok`` is P5's verdict for kvroute: added p50 <= 1 ms and <= smg's, p99 <= 2 x smg's, from the
 same run (``targets``); each system gets the same checks in its own row. A peer that is not
@@ -115,7 +117,7 @@ T = TypeVar("T")
 CONFIG_KEYS = (
     "rate", "duration", "warmup", "rounds", "conversations", "direct_every", "prompt_tokens",
     "user_tokens", "max_tokens", "workers", "speedup", "kv_blocks", "seed", "gateway_processes",
-    "mode", "pool_set",
+    "mode", "pool_set", "shared_words",
 )  # fmt: skip
 
 _encode = msgspec.json.encode
@@ -147,6 +149,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "engine)",
     )
     a("--prompt-tokens", type=int, default=8000, help="chat size the conversations grow through")
+    a(
+        "--shared-words",
+        type=int,
+        default=0,
+        help="--mode cold: every new text starts with one prefix of this many words, as a "
+        "production trace's prompts share a short head (0: none)",
+    )
     a("--user-tokens", type=int, default=32, help="words in each new user message")
     a("--max-tokens", type=int, default=8, help="streamed tokens per reply")
     a("--workers", type=int, default=1)
@@ -358,7 +367,7 @@ def _make_conversations(
     if args.mode == "completion":
         hot = _text(shared, args.prompt_tokens)
     elif args.mode == "cold":
-        hot = ""
+        hot = _text(shared, args.shared_words) if args.shared_words > 0 else ""
     question_words = args.prompt_tokens if args.mode == "cold" else args.user_tokens
     n_twins = max(1, math.ceil(args.conversations / max(1, args.direct_every)))
     twins: list[TwinPair] = []
@@ -874,6 +883,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(pool_settings) - known)
     if unknown:  # refused here, not by a gateway that fails to start
         raise SystemExit(f"--pool-set: unknown pool setting(s) {', '.join(unknown)}")
+    if args.shared_words < 0 or (args.shared_words and args.mode != "cold"):
+        raise SystemExit("--shared-words: a number of words >= 0, with --mode cold only")
     cfg = StackConfig(
         pool_settings=pool_settings,
         workers=args.workers,
