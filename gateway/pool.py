@@ -273,7 +273,7 @@ class Pool:
         known ids, their keys: a prefix match that stops inside them cannot grow with the
         rest of the prompt, so routing on them misses nothing. While some worker holds every
         known block (a prefix every request shares, then new text), the first uncached piece
-        is encoded here and the prompt re-planned, up to ``_CLOSE_PIECES`` pieces: the match
+        is encoded here and the cut looked up again, up to ``_CLOSE_PIECES`` pieces: the match
         then usually stops in the new text (a document seen nowhere) and the rest is encoded
         while the request is on its way. No keys when the match goes on past those pieces,
         or the overlap is not worth it (``_overlaps``' other bounds)."""
