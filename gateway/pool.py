@@ -273,7 +273,7 @@ class Pool:
         known ids, their keys: a prefix match that stops inside them cannot grow with the
         rest of the prompt, so routing on them misses nothing. While some worker holds every
         known block (a prefix every request shares, then new text), the first uncached piece
-        is encoded here and the cut looked up again, up to ``_CLOSE_PIECES`` pieces: the match
+        is encoded here (the cut kept), up to ``_CLOSE_PIECES`` pieces: the match
         then usually stops in the new text (a document seen nowhere) and the rest is encoded
         while the request is on its way. No keys when the match goes on past those pieces,
         or the overlap is not worth it (``_overlaps``' other bounds)."""
@@ -297,11 +297,10 @@ class Pool:
                 # a worker holds every known block: the rest may lengthen its match
             if encoded == _CLOSE_PIECES:
                 return planned, None
-            first = next((p for p in planned.plan.resolved if isinstance(p, str)), None)
+            first = planned.first_missing()
             if first is None or len(first) >= s.tokenize_thread_chars:  # not on the loop
                 return planned, None
-            self.tokenizer.encode(first, add_special_tokens=False)  # now a cached piece
-            planned = self.tokenizer.replan_prompt(planned)  # not encoded twice
+            planned = self.tokenizer.encode_first_missing(planned)  # not encoded twice
             if planned.missing_chars < s.tokenize_overlap_chars:
                 return planned, None  # the rest is short: encoding it beats the overlap
         return planned, None  # not reached: the last pass returns

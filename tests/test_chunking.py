@@ -171,25 +171,33 @@ def test_a_new_question_under_a_cached_document_is_planned_from_the_document(
         tk.plan_prompt(["not", "text"])  # type: ignore[arg-type]
 
 
-def test_a_replanned_prompt_knows_the_pieces_encoded_since(plain: tokenizers.Tokenizer) -> None:
-    """``replan_prompt`` looks the same cut up again: a piece encoded since its plan (the
-    gateway encodes one to find where the index's match stops) is known now, the known ids
-    grow past it, nothing already encoded is missing, and the plan still finishes exactly."""
+def test_a_plan_with_its_first_piece_encoded_knows_past_it(plain: tokenizers.Tokenizer) -> None:
+    """``encode_first_missing`` (the gateway encodes a piece to find where the index's match
+    stops): the same cut, the known ids grow past the piece, that piece is cached and no
+    longer missing, nothing is looked up again (the cache's hit counts stay), and the plan
+    still finishes exactly."""
     tk = load(1024)
     head = "".join(f" head{i % 7}" for i in range(300))
     tk.encode(head + " first question")
     prompt = head + "".join(f" new{i % 11}" for i in range(2000))
     planned = tk.plan_prompt(prompt)
     assert planned is not None and planned.missing_chars > 4_000
-    first = next(p for p in planned.plan.resolved if isinstance(p, str))
-    tk.encode(first, add_special_tokens=False)
-    again = tk.replan_prompt(planned)
+    first = planned.first_missing()
+    assert first is not None
+    hits = tk.stats.token_hits
+    again = tk.encode_first_missing(planned)
     expected = plain.encode(prompt).ids
-    assert again.plan.items == planned.plan.items  # the same cut, not cut again
+    assert again.plan.items is planned.plan.items  # the same cut, not cut again
     assert again.known > planned.known and again.known_ids() == expected[: again.known]
-    assert first not in again.plan.missing
+    assert first not in again.plan.missing and again.first_missing() != first
     assert again.missing_chars == planned.missing_chars - len(first)
+    assert tk.stats.token_hits == hits
+    assert tk.plan_prompt(first, add_special_tokens=False).missing_chars == 0  # cached
     assert tk.encode_planned(again) == expected
+    done = tk.plan_prompt(prompt)
+    assert done is not None and done.first_missing() is None
+    with pytest.raises(ValueError, match="no uncached piece"):
+        tk.encode_first_missing(done)
 
 
 # -- configurations --------------------------------------------------------------------------

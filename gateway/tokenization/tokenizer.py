@@ -17,7 +17,7 @@ import concurrent.futures
 import json
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,10 @@ class PromptPlan:
     add_special_tokens: bool
     plan: Plan
     head: Ids = ()
+
+    def first_missing(self) -> str | None:
+        """The first uncached piece (None: every piece is cached)."""
+        return next((p for p in self.plan.resolved if isinstance(p, str)), None)
 
     def known_ids(self) -> list[int]:
         """The prompt's first ``known`` ids (a prefix of its ids)."""
@@ -450,12 +454,19 @@ class Tokenizer:
             return None
         return self._prompt_plan(plan, add_special_tokens)
 
-    def replan_prompt(self, planned: PromptPlan) -> PromptPlan:
-        """``planned`` looked up again, not cut again: what the piece cache has learnt since
-        (a piece encoded to look the index up) is known now."""
-        items = planned.plan.items
-        again = self._lookup(Plan(planned.plan.text, None, (), 0, items, [], []))
-        return self._prompt_plan(again, planned.add_special_tokens)
+    def encode_first_missing(self, planned: PromptPlan) -> PromptPlan:
+        """``planned`` with its first uncached piece encoded here and cached, so its known ids
+        reach past that piece (the gateway looks the index up on them); the same cut, the
+        rest still to encode. ``planned`` must have an uncached piece."""
+        plan = planned.plan
+        first = planned.first_missing()
+        if first is None:
+            raise ValueError("the plan has no uncached piece")
+        ids = self._store([first], self._encode_many([first]))[first]
+        resolved = [ids if isinstance(r, str) and r == first else r for r in plan.resolved]
+        missing = [m for m in plan.missing if m != first]
+        done = replace(plan, resolved=resolved, missing=missing)
+        return self._prompt_plan(done, planned.add_special_tokens)
 
     def _prompt_plan(self, plan: Plan, add_special_tokens: bool) -> PromptPlan:
         head, tail = self._specials if add_special_tokens and self._specials else ((), ())
@@ -505,7 +516,7 @@ class Tokenizer:
         self, plan: Plan, encoded: list[list[int]], add_special_tokens: bool
     ) -> list[int]:
         """Cache the new pieces and concatenate a completion prompt's ids."""
-        fresh = self._store(plan, encoded)
+        fresh = self._store(plan.missing, encoded)
         head, tail = self._specials if add_special_tokens and self._specials else ((), ())
         out = list(head)
         for item, ids in zip(plan.items, plan.resolved, strict=True):
@@ -783,7 +794,7 @@ class Tokenizer:
         character after it (:class:`~gateway.tokenization.chunking.Chunker`), which must lie
         inside the remembered text; a text piece directly after another text piece is always
         a chunk boundary (the splitter puts an added token between its pieces)."""
-        fresh = self._store(plan, encoded)
+        fresh = self._store(plan.missing, encoded)
         splitter = self._splitter
         assert splitter is not None
         out = list(plan.head)
@@ -828,11 +839,11 @@ class Tokenizer:
         self._cache.put_prefix(key, Prefix(text, cut[0], ids))
         return ids
 
-    def _store(self, plan: Plan, encoded: list[list[int]]) -> dict[str, Ids]:
-        """Cache the plan's newly encoded pieces; the map from piece to ids."""
-        fresh = {p: self._intern(ids) for p, ids in zip(plan.missing, encoded, strict=True)}
+    def _store(self, pieces: list[str], encoded: list[list[int]]) -> dict[str, Ids]:
+        """Cache newly encoded pieces; the map from piece to ids."""
+        fresh = {p: self._intern(ids) for p, ids in zip(pieces, encoded, strict=True)}
         self._cache.put_pieces(fresh.items())
-        self._chars_encoded += sum(map(len, plan.missing))
+        self._chars_encoded += sum(map(len, pieces))
         self._tokens_encoded += sum(map(len, encoded))
         return fresh
 
