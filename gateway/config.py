@@ -124,10 +124,12 @@ class PoolSettings:
     #: (found by its messages, before the render) and sent while it is rendered and its new
     #: text encoded; the exact ids then complete the keys and the speculative insert and
     #: decide the context check before the first byte reaches the client (the same fraction
-    #: bounds what the decision can miss)
+    #: bounds what the decision can miss). A chat whose new text is longer (a new
+    #: conversation's pasted document, a tool's long output) is rendered first, then routed
+    #: on its known first ids as a completion prompt is (the two settings below and above)
     tokenize_overlap_chats: bool = True
-    #: a completion prompt with nothing cached (or too much new text for the fraction above)
-    #: is routed on its first ids when no worker holds all of their blocks: its first
+    #: a completion prompt (or rendered chat) with nothing cached (or too much new text for
+    #: the fraction above) is routed on its first ids when no worker holds all of their blocks: its first
     #: uncached piece is encoded here, and if the index's longest match stops inside it the
     #: rest of the prompt cannot lengthen any worker's match, so the decision on those ids is
     #: the decision on all of them (only the count is estimated); the rest is encoded while

@@ -13,7 +13,10 @@ the rest is encoded on a worker thread while the request is routed and sent, and
 the error the exact ids call for. A chat turn of a conversation the tokenizer remembers is
 routed likewise on the ids its previous turn left (``PoolSettings.tokenize_overlap_chats``):
 found by its messages before the render, they are a guess that the render then confirms or
-not; either way the exact ids give the keys, the count and the speculative insert.
+not; either way the exact ids give the keys, the count and the speculative insert. A chat
+with a long new message (a retrieved document, a tool's output) is rendered and then routed
+on its known first ids as a completion prompt is (``PoolSettings.tokenize_overlap_cold`` for
+the search past a prefix some worker holds whole).
 """
 
 from __future__ import annotations
@@ -205,13 +208,25 @@ class Pool:
                     add_generation_prompt=req.add_generation_prompt,
                     **req.template_kwargs,
                 )
+                param = _MESSAGES_PARAM[req.kind]
                 known = tok.known_chat(draft) if overlap and self._may_overlap_chats else None
                 if known is not None and self._chat_overlaps(known, req.max_tokens):
-                    param = _MESSAGES_PARAM[req.kind]
                     return self._overlapped_chat(
                         draft, known, req.max_tokens, adapter, t0, body, param
                     )
-                chat = await tok.aencode_draft(draft)
+                if not (overlap and self._may_overlap_chats):
+                    chat = await tok.aencode_draft(draft)
+                else:  # rendered: routed on its known first ids as a completion prompt is
+                    rendered = tok.plan_chat(draft)
+                    if isinstance(rendered, str):
+                        chat = ChatIds(await tok.aencode(rendered, add_special_tokens=False))
+                    else:
+                        rendered, keys = self._routable(rendered, req.max_tokens, adapter)
+                        if keys is not None:
+                            return self._overlapped(
+                                rendered, req.max_tokens, adapter, t0, keys, body, param
+                            )
+                        chat = await tok.aencode_chat_plan(rendered)
             elif req.prompt_ids is not None:
                 chat = ChatIds(req.prompt_ids)
                 vocab = tok.vocab_size
@@ -227,11 +242,9 @@ class Pool:
                 planned = tok.plan_prompt(req.prompt_text, add_special_tokens=True)
                 if planned is None:
                     chat = ChatIds(await tok.aencode(req.prompt_text, add_special_tokens=True))
-                elif overlap and self._overlaps(planned, req.max_tokens):
-                    return self._overlapped(planned, req.max_tokens, adapter, t0)
                 else:
                     if overlap:
-                        planned, keys = self._closed(planned, req.max_tokens, adapter)
+                        planned, keys = self._routable(planned, req.max_tokens, adapter)
                         if keys is not None:
                             return self._overlapped(planned, req.max_tokens, adapter, t0, keys)
                     chat = ChatIds(await tok.aencode_planned(planned))
@@ -246,8 +259,25 @@ class Pool:
         if err is not None:
             raise err
         root = self.keyer.adapter_root(adapter)
-        keys = self.prefix_keys.lazy(ids, chat.reused, chat.remembered, root)
+        keys = self.prefix_keys.lazy(ids, chat.reused, chat.remembered, root, chat.lead)
         return Prepared(len(ids), keys, t1 - t0, time.perf_counter() - t1, body, adapter, ids)
+
+    def _routable(
+        self, planned: PromptPlan, max_tokens: int | None, adapter: str | None
+    ) -> tuple[PromptPlan, LazyKeys | None]:
+        """The plan to finish a prompt with and, when it is to be routed on its known first
+        ids while the rest is encoded, their keys (``_overlaps``, else ``_closed``)."""
+        if self._overlaps(planned, max_tokens):
+            return planned, self._known_keys(planned, adapter)
+        return self._closed(planned, max_tokens, adapter)
+
+    def _known_keys(self, planned: PromptPlan, adapter: str | None) -> LazyKeys:
+        """Keys of ``planned``'s known ids; a chat's start from its remembered prefix's."""
+        root = self.keyer.adapter_root(adapter)
+        known = planned.known_ids()
+        if planned.chat and planned.head:
+            return self.prefix_keys.lazy(known, planned.head, None, root)
+        return LazyKeys(self.keyer, known, root)
 
     def _overlaps(self, planned: PromptPlan, max_tokens: int | None) -> bool:
         """Whether to route ``planned`` on its known ids: enough new text to be worth a
@@ -290,7 +320,7 @@ class Pool:
             if planned.known >= s.block_size:
                 if too_long(planned.estimate, max_tokens, s.max_model_len) is not None:
                     return planned, None
-                keys = LazyKeys(self.keyer, planned.known_ids(), self.keyer.adapter_root(adapter))
+                keys = self._known_keys(planned, adapter)
                 masks = self.router.index.match_masks(keys)
                 if not masks or masks[0][0] < len(keys):
                     return planned, keys
@@ -371,7 +401,7 @@ class Pool:
         if prep.error is not None:
             return
         self.router.index.settle()
-        keys = self.prefix_keys.lazy(ids, chat.reused, chat.remembered, prep.keys.root)
+        keys = self.prefix_keys.lazy(ids, chat.reused, chat.remembered, prep.keys.root, chat.lead)
         # the render started with the known ids: their keys (and inserts) stand
         start = len(prep.keys) if chat.reused is known.ids else 0
         self._match_exact(prep, keys, start)
@@ -404,18 +434,20 @@ class Pool:
         max_tokens: int | None,
         adapter: str | None,
         t0: float,
-        keys: LazyKeys | None = None,
+        keys: LazyKeys,
+        body: bytes | None = None,
+        param: str = "prompt",
     ) -> Prepared:
-        """Route on ``planned``'s known ids (``keys``: theirs, when already made) while the
-        rest is encoded."""
+        """Route on ``planned``'s known ids (``keys``: theirs) while the rest is encoded."""
         t1 = time.perf_counter()
         known = planned.known_ids()
-        if keys is None:
-            keys = LazyKeys(self.keyer, known, self.keyer.adapter_root(adapter))
-        prep = Prepared(planned.estimate, keys, t1 - t0, 0.0, None, adapter, known)
-        prep.rest = asyncio.get_running_loop().create_task(
-            self._finish(prep, planned, max_tokens), name="kvroute-tokenize-rest"
+        prep = Prepared(planned.estimate, keys, t1 - t0, 0.0, body, adapter, known)
+        finish = (
+            self._finish_chat_plan(prep, planned, max_tokens, param)
+            if planned.chat
+            else self._finish(prep, planned, max_tokens)
         )
+        prep.rest = asyncio.get_running_loop().create_task(finish, name="kvroute-tokenize-rest")
         return prep
 
     async def _finish(self, prep: Prepared, planned: PromptPlan, max_tokens: int | None) -> None:
@@ -434,6 +466,28 @@ class Pool:
         start = len(prep.keys)
         prep.keys.extend(ids)
         prep.ids, prep.prompt_tokens = ids, len(ids)
+        self._speculate_rest(prep, start)
+
+    async def _finish_chat_plan(
+        self, prep: Prepared, planned: PromptPlan, max_tokens: int | None, param: str
+    ) -> None:
+        """The rest of an overlapped rendered chat (a long new message): as :meth:`_finish`,
+        its keys made again from the remembered prefixes (so the next turn starts from
+        them), those of the known ids kept as they were."""
+        chat = await self._exactly(
+            prep, self.tokenizer.aencode_chat_plan(planned, thread=True), param
+        )
+        if chat is None:
+            return
+        ids = chat.ids
+        prep.error = too_long(len(ids), max_tokens, self.settings.max_model_len)
+        if prep.error is not None:
+            return
+        self.router.index.settle()
+        keys = self.prefix_keys.lazy(ids, chat.reused, chat.remembered, prep.keys.root, chat.lead)
+        start = len(prep.keys)
+        self._match_exact(prep, keys, start)
+        prep.keys, prep.ids, prep.prompt_tokens = keys, ids, len(ids)
         self._speculate_rest(prep, start)
 
     async def _exactly(self, prep: Prepared, encode: Awaitable[T], param: str) -> T | None:

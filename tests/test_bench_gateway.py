@@ -277,21 +277,30 @@ def test_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(rows) == set(systems)
 
 
-def test_smoke_completion_mode(capsys: pytest.CaptureFixture[str]) -> None:
-    """--mode completion through kvroute: twin pairs on /v1/completions, every request a
-    new question after the shared prefix, which the engine has cached for both twins."""
+def run_kvroute(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    """``bench gateway`` through kvroute alone at a smoke size (one round, four
+    conversations, 10 req/s, P6 and the side phases off) plus ``argv``; its JSON."""
     parser = argparse.ArgumentParser()
     benchmarks.add_arguments(parser)
     args = parser.parse_args(
         [
-            "gateway", "--json", "--mode", "completion", "--prompt-tokens", "2000",
-            "--user-tokens", "50", "--duration", "2", "--rate", "10", "--warmup", "0.3",
-            "--rounds", "1", "--conversations", "4", "--throughput-seconds", "0",
-            "--tokenize-repeats", "0", "--systems", gw.KVROUTE, "--stall-seconds", "0",
+            "gateway", "--json", "--rate", "10", "--warmup", "0.3", "--rounds", "1",
+            "--conversations", "4", "--throughput-seconds", "0", "--tokenize-repeats", "0",
+            "--systems", gw.KVROUTE, "--stall-seconds", "0", *argv,
         ]
     )  # fmt: skip
     benchmarks.run(args)
-    r: dict[str, Any] = json.loads(capsys.readouterr().out)
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def test_smoke_completion_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    """--mode completion through kvroute: twin pairs on /v1/completions, every request a
+    new question after the shared prefix, which the engine has cached for both twins."""
+    r = run_kvroute(
+        capsys, "--mode", "completion", "--prompt-tokens", "2000", "--user-tokens", "50",
+        "--duration", "2",
+    )  # fmt: skip
     assert r["config"]["mode"] == "completion"
     assert "P5's bounds applied to completions" in r["targets_note"]
     s = r["systems"][gw.KVROUTE]
@@ -309,19 +318,10 @@ def test_smoke_cold_mode_with_a_pool_setting(
     """--mode cold through kvroute: every request a new text, nothing cached by the engine;
     ``--pool-set`` reaches the gateway's pool: with ``tokenize_overlap_cold`` on, the cold
     prompts are routed on their first piece (overlapped), with it off none is."""
-    parser = argparse.ArgumentParser()
-    benchmarks.add_arguments(parser)
-    args = parser.parse_args(
-        [
-            "gateway", "--json", "--mode", "cold", "--prompt-tokens", "1500",
-            "--duration", "1.5", "--rate", "10", "--warmup", "0.3",
-            "--rounds", "1", "--conversations", "4", "--throughput-seconds", "0",
-            "--tokenize-repeats", "0", "--systems", gw.KVROUTE, "--stall-seconds", "0",
-            "--pool-set", f"tokenize_overlap_cold={str(overlap).lower()}",
-        ]
+    r = run_kvroute(
+        capsys, "--mode", "cold", "--prompt-tokens", "1500", "--duration", "1.5",
+        "--pool-set", f"tokenize_overlap_cold={str(overlap).lower()}",
     )  # fmt: skip
-    benchmarks.run(args)
-    r: dict[str, Any] = json.loads(capsys.readouterr().out)
     assert r["config"]["mode"] == "cold"
     assert r["config"]["pool_set"] == [f"tokenize_overlap_cold={str(overlap).lower()}"]
     s = r["systems"][gw.KVROUTE]
@@ -341,18 +341,10 @@ def test_smoke_cold_mode_under_a_shared_head(capsys: pytest.CaptureFixture[str])
     production trace's prompts. The head's blocks are on the worker after the first request,
     so the gateway encodes pieces past them until the index's match stops, and routes the
     prompt on those ids while the rest is encoded: nearly every request is overlapped."""
-    parser = argparse.ArgumentParser()
-    benchmarks.add_arguments(parser)
-    args = parser.parse_args(
-        [
-            "gateway", "--json", "--mode", "cold", "--prompt-tokens", "1500",
-            "--shared-words", "400", "--duration", "1.5", "--rate", "10", "--warmup", "0.3",
-            "--rounds", "1", "--conversations", "4", "--throughput-seconds", "0",
-            "--tokenize-repeats", "0", "--systems", gw.KVROUTE, "--stall-seconds", "0",
-        ]
+    r = run_kvroute(
+        capsys, "--mode", "cold", "--prompt-tokens", "1500", "--shared-words", "400",
+        "--duration", "1.5",
     )  # fmt: skip
-    benchmarks.run(args)
-    r: dict[str, Any] = json.loads(capsys.readouterr().out)
     assert r["config"]["shared_words"] == 400
     s = r["systems"][gw.KVROUTE]
     assert s["errors"] == 0 and s["pairs"] >= 4, s
@@ -362,7 +354,30 @@ def test_smoke_cold_mode_under_a_shared_head(capsys: pytest.CaptureFixture[str])
     assert s["overlapped_fraction"] > 0.8, s
 
 
-def test_shared_words_are_for_cold_mode_only() -> None:
+@pytest.mark.parametrize("overlap", [True, False])
+def test_smoke_rag_mode(capsys: pytest.CaptureFixture[str], overlap: bool) -> None:
+    """--mode rag: every request a new chat under one system prompt, its message a new
+    document. The system prompt is on the worker after the first request, so the gateway
+    renders each chat, encodes pieces of the document until the index's match stops, and
+    routes on those ids while the rest is encoded: nearly every request is overlapped. With
+    ``tokenize_overlap_chats`` off (and in the code before) none is."""
+    r = run_kvroute(
+        capsys, "--mode", "rag", "--prompt-tokens", "1500", "--shared-words", "400",
+        "--duration", "1.5", "--pool-set", f"tokenize_overlap_chats={str(overlap).lower()}",
+    )  # fmt: skip
+    assert r["config"]["mode"] == "rag" and r["config"]["shared_words"] == 400
+    s = r["systems"][gw.KVROUTE]
+    assert s["errors"] == 0 and s["pairs"] >= 4, s
+    # the system prompt and the document, in the chat template's frame
+    assert 1900 < s["prompt_tokens_min"] <= s["prompt_tokens_max"] < 1950, s
+    assert 0.1 < s["cached_fraction_routed"] < 0.3, s  # the system prompt, cached
+    if overlap:
+        assert s["overlapped_fraction"] > 0.8, s
+    else:
+        assert s["overlapped_fraction"] == 0, s
+
+
+def test_shared_words_are_for_cold_and_rag_modes_only() -> None:
     parser = argparse.ArgumentParser()
     benchmarks.add_arguments(parser)
     for argv in (["--shared-words", "10"], ["--mode", "cold", "--shared-words", "-1"]):

@@ -200,6 +200,49 @@ def test_a_plan_with_its_first_piece_encoded_knows_past_it(plain: tokenizers.Tok
         tk.encode_first_missing(done)
 
 
+def _letters(i: int) -> str:
+    """``i`` spelled in letters (a distinct word ending per number)."""
+    return chr(97 + i % 26) + chr(97 + i // 26 % 26) + chr(97 + i // 676 % 26)
+
+
+def test_a_chats_plan_finishes_as_its_encode(plain: tokenizers.Tokenizer) -> None:
+    """``plan_chat`` (a rendered chat, its remembered prefix reused, the rest cut and looked
+    up): its known ids are a prefix of the exact ids before and after pieces are encoded one
+    by one, it finishes to the full render's ids, and the conversation is remembered as
+    ``aencode_draft`` remembers it (the next turn reuses it)."""
+    tk = load(1024)
+    # letters only, so the chunker cuts (at a space between letters), and no chunk repeats
+    system = "".join(f" rule{_letters(i)}" for i in range(600))
+    document = "".join(f" fact{_letters(i)}" for i in range(1500))
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Hi."}]
+    asyncio.run(tk.aencode_chat(first))  # the system prompt is remembered
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": document}]
+    expected = plain.encode(tk.render_chat(messages), add_special_tokens=False).ids
+    planned = tk.plan_chat(tk.draft_chat(messages))
+    assert not isinstance(planned, str) and planned.chat
+    assert planned.head and planned.known >= len(planned.head)  # from the system prompt's ids
+    assert planned.known_ids() == expected[: planned.known]
+    assert abs(planned.estimate - len(expected)) < 0.2 * len(expected)  # an estimate
+    for _ in range(3):
+        planned = tk.encode_first_missing(planned)
+        assert planned.chat and planned.known_ids() == expected[: planned.known]
+    with pytest.raises(ValueError, match="aencode_chat_plan"):
+        asyncio.run(tk.aencode_planned(planned))
+    chat = asyncio.run(tk.aencode_chat_plan(planned, thread=True))
+    assert chat.ids == expected and chat.reused is planned.head
+    assert chat.remembered is not None and len(chat.remembered) > len(planned.head)
+    follow = [*messages, {"role": "assistant", "content": "Noted."}]
+    follow.append({"role": "user", "content": "Which fact?"})
+    again = asyncio.run(tk.aencode_chat_ids(follow))
+    assert again.reused is chat.remembered  # the next turn starts from this one's ids
+    assert again.ids == plain.encode(tk.render_chat(follow), add_special_tokens=False).ids
+    prompt = tk.plan_prompt("plain text")
+    assert prompt is not None
+    with pytest.raises(ValueError, match="not a chat"):
+        asyncio.run(tk.aencode_chat_plan(prompt))
+    tk.close()
+
+
 # -- configurations --------------------------------------------------------------------------
 
 

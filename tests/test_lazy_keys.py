@@ -86,6 +86,14 @@ def test_prefix_keys_lazy_reuses_and_completes() -> None:
     follow = memo.lazy(ids, remembered, tuple(ids))
     assert memo.hits == 1 and follow.computed == len(first) // BS
     assert follow.all() == KEYER.keys(ids) and lazy.all() == KEYER.keys(first)
+    # a shorter prefix remembered beside it (a chat's system prompt, ``lead``): a new
+    # conversation under it starts from its keys
+    lead = tuple(ids[:40])
+    memo.lazy(ids, remembered, tuple(ids), None, lead)
+    other = [*lead, *(rng.randrange(1000) for _ in range(25))]
+    fresh = memo.lazy(other, lead)
+    assert memo.hits == 3 and fresh.computed == len(lead) // BS
+    assert fresh.all() == KEYER.keys(other)
 
 
 # -- decisions: lazy keys against eager keys, same inputs -------------------------------------

@@ -272,7 +272,11 @@ def test_an_overlapped_chat_ends_with_the_exact_ids_keys_and_speculation(
 ) -> None:
     async def run() -> None:
         first = await pool.prepare(chat(turns(1)), overlap=True)
-        assert first.rest is None  # a new conversation: nothing known, encoded first
+        # a new conversation, nothing cached and no worker holding any of it: rendered, then
+        # routed on its first piece's ids as a cold completion prompt is
+        assert first.pending and 0 < len(first.ids) < first.prompt_tokens
+        await first.ready()
+        assert list(first.ids) == exact_chat_ids(pool, plain, turns(1))
         for n in (2, 3, 4):
             messages = turns(n)
             exact = exact_chat_ids(pool, plain, messages)
@@ -308,7 +312,7 @@ def test_an_overlapped_chats_match_is_measured_on_its_exact_ids(
     index = pool.router.index
 
     async def run() -> None:
-        await pool.prepare(chat(turns(2)), overlap=True)
+        await (await pool.prepare(chat(turns(2)), overlap=True)).ready()
         # the engine computed turn 2 and its reply: all of turn 3's prompt but its question
         held = pool.keyer.keys(exact_chat_ids(pool, plain, turns(3))[:-12])
         index.stored("w0", None, held)
@@ -344,8 +348,11 @@ def test_a_chat_is_encoded_first_when_overlap_is_off_or_unsafe() -> None:
 
     async def unsafe() -> None:
         await p.prepare(chat(turns(1)), overlap=True)
-        # new text that may be most of the prompt: the decision could miss much
+        # new text that may be most of the prompt, which a worker holds as far as the loop
+        # looks (``_CLOSE_PIECES``): the decision on the known ids could miss much
         long = [*turns(2)[:-1], {"role": "user", "content": DOCUMENT[:20000]}]
+        ids = exact_chat_ids(p, tokenizers.Tokenizer.from_file(str(PATH)), long)
+        p.router.index.stored("w0", None, p.keyer.keys(ids))
         assert (await p.prepare(chat(long), overlap=True)).rest is None
         # a bound past the context is checked exactly before anything is sent
         with pytest.raises(ApiError) as err:
@@ -375,19 +382,20 @@ def test_a_render_that_does_not_start_with_the_known_ids(plain: tokenizers.Token
         p.router.add_worker(w)
 
     async def run() -> None:
-        await p.prepare(chat(turns(1)), overlap=True)
-        pending = 0
+        await (await p.prepare(chat(turns(1)), overlap=True)).ready()
+        wrong = 0
         for n in range(2, 9):
             messages = turns(n)
             exact = exact_chat_ids(p, plain, messages)
             prep = await p.prepare(chat(messages), overlap=True)
+            # routed on a guess (the previous turn's ids: wrong here), or, rendered, on its
+            # known first ids, or encoded first (little new text once the first is encoded)
             if prep.pending:
-                pending += 1
-                assert list(prep.ids) != exact[: len(prep.ids)]  # a wrong guess
+                wrong += list(prep.ids) != exact[: len(prep.ids)]
                 decision = await route_while_encoded(p, prep, float(n))
                 assert holds_all(p, decision.worker, p.keyer.keys(exact))
             assert list(prep.ids) == exact and prep.keys.all() == p.keyer.keys(exact)
-        assert pending == 3  # three misses, then the template is encoded first
+        assert wrong == 3  # three misses, then the template is no longer guessed for
 
     asyncio.run(run())
     p.tokenizer.close()
@@ -410,7 +418,7 @@ def test_the_exact_ids_decide_a_chats_context_check(plain: tokenizers.Tokenizer)
         )
         p = Pool(small, ShadowIndex(), "seed")
         p.router.add_worker("w0")
-        await p.prepare(chat(turns(1), max_tokens=16), overlap=True)
+        await (await p.prepare(chat(turns(1), max_tokens=16), overlap=True)).ready()
         prep = await p.prepare(chat(turns(2), max_tokens=16), overlap=True)
         assert prep.pending and prep.prompt_tokens + 16 <= exact - 500
         with pytest.raises(ApiError) as err:
@@ -419,6 +427,121 @@ def test_the_exact_ids_decide_a_chats_context_check(plain: tokenizers.Tokenizer)
         assert f"({exact} in the messages" in err.value.message
         with pytest.raises(ApiError) as direct:
             await p.prepare(chat(turns(2), max_tokens=16))
+        assert direct.value.message == err.value.message
+        p.tokenizer.close()
+
+    asyncio.run(run())
+
+
+# -- chats with a long new message: rendered, then routed like a completion prompt ---------
+
+#: a retrieved document no worker has seen (other words than DOCUMENT's, so no piece is shared)
+RETRIEVED = "".join(
+    " " + WORDS[(i * 5 + 1) % 6] + ("ed" if i % 4 == 0 else "") for i in range(2000)
+)
+
+
+def rag(question: str, document: str = RETRIEVED) -> list[dict[str, str]]:
+    """A new conversation under SYSTEM whose message carries a document."""
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Context:{document}\n\nQuestion: {question}"},
+    ]
+
+
+def test_a_chat_with_a_long_new_message_is_routed_on_its_known_ids(
+    pool: Pool, plain: tokenizers.Tokenizer
+) -> None:
+    """A new conversation under a system prompt every worker holds, its message a document
+    seen nowhere: rendered, its first new piece encoded here, routed on the known ids once
+    the index's match stops inside them (the decision on them is the decision on all of
+    them), the rest encoded while the request is on its way; the ids, keys, count,
+    speculation and forwarded body end as a first encode's."""
+    index = pool.router.index
+
+    async def run() -> None:
+        first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi."}]
+        await pool.prepare(chat(first), overlap=False)  # the system prompt is remembered
+        system = pool.keyer.keys(exact_chat_ids(pool, plain, first))[:-1]
+        for w in ("w0", "w1"):
+            index.stored(w, None, system)
+        messages = rag("Why alpha?")
+        exact = exact_chat_ids(pool, plain, messages)
+        hits = pool.prefix_keys.hits
+        prep = await pool.prepare(chat(messages), overlap=True)
+        assert prep.pending, "a document under a held system prompt is routed at once"
+        known = list(prep.ids)
+        assert BS * len(system) < len(known) < len(exact) - 1000  # the document's first piece
+        assert known == exact[: len(known)]
+        assert pool.prefix_keys.hits == hits + 1  # the system prompt's keys, not hashed again
+        on_known = index.match_masks(pool.keyer.keys(known))
+        assert on_known[0][0] < len(known) // BS  # the match stops inside the known ids
+        assert on_known == index.match_masks(pool.keyer.keys(exact))
+        assert abs(prep.prompt_tokens - len(exact)) < 0.1 * len(exact)  # an estimate
+        decision = await route_while_encoded(pool, prep, 1.0)
+        assert decision.matched_tokens == BS * len(system)
+        assert not prep.pending and prep.error is None
+        assert list(prep.ids) == exact and prep.prompt_tokens == len(exact)
+        full = pool.keyer.keys(exact)
+        assert prep.keys.all() == full
+        assert holds_all(pool, decision.worker, full)  # the document speculated there too
+        direct = await pool.prepare(chat(messages), overlap=False)
+        assert prep.body == direct.body and list(direct.ids) == exact
+        # the next turn starts from the remembered system prompt and the document's cached
+        # pieces: only its new text is encoded (short: on the loop, before it is routed)
+        nxt = [*messages, {"role": "assistant", "content": "Because."}]
+        nxt.append({"role": "user", "content": "And beta?"})
+        before = pool.tokenizer._chars_encoded
+        turn = await pool.prepare(chat(nxt), overlap=True)
+        assert turn.rest is None and list(turn.ids) == exact_chat_ids(pool, plain, nxt)
+        assert 0 < pool.tokenizer._chars_encoded - before < 200
+
+    asyncio.run(run())
+
+
+def test_a_long_message_a_worker_holds_is_encoded_first(plain: tokenizers.Tokenizer) -> None:
+    """The document's first pieces are held by a worker as far as the loop looks: its match
+    may go on past them, so the chat is encoded before it is routed; likewise with the
+    settings that turn the overlap off."""
+    for kw, held in (({}, True), ({"tokenize_overlap_chats": False}, False)):
+        p = make_pool(**kw)
+
+        async def run(p: Pool = p, held: bool = held) -> None:
+            messages = rag("Why kappa?")
+            exact = exact_chat_ids(p, plain, messages)
+            if held:
+                p.router.index.stored("w1", None, p.keyer.keys(exact))
+            prep = await p.prepare(chat(messages), overlap=True)
+            assert prep.rest is None and list(prep.ids) == exact
+            assert prep.prompt_tokens == len(exact) and prep.keys.all() == p.keyer.keys(exact)
+            if held:
+                decision = p.router.route(prep.keys, prep.prompt_tokens, 1.0)
+                assert decision.worker == "w1" and decision.matched_tokens >= len(exact) - BS
+
+        asyncio.run(run())
+        p.tokenizer.close()
+
+
+def test_the_exact_ids_decide_a_long_messages_context_check(plain: tokenizers.Tokenizer) -> None:
+    """Text far denser in tokens than what the tokenizer has seen (the estimate's ratio): the
+    estimate fits the context, the exact count does not; ``ready`` raises the error that a
+    first encode raises."""
+    dense = "".join(chr(0x4E00 + (i * 37) % 900) for i in range(3000))
+    messages = rag("Why?", dense)
+
+    async def run() -> None:
+        probe = make_pool()
+        exact = len(exact_chat_ids(probe, plain, messages))
+        probe.tokenizer.close()
+        p = make_pool(max_model_len=exact - 16)
+        await p.prepare(chat(turns(1)), overlap=True)  # a ratio from plain words
+        prep = await p.prepare(chat(messages, max_tokens=8), overlap=True)
+        assert prep.pending and prep.prompt_tokens + 8 <= exact - 16
+        with pytest.raises(ApiError) as err:
+            await prep.ready()
+        assert err.value.code == "context_length_exceeded"
+        with pytest.raises(ApiError) as direct:
+            await p.prepare(chat(messages, max_tokens=8))
         assert direct.value.message == err.value.message
         p.tokenizer.close()
 

@@ -558,10 +558,12 @@ class PrefixKeys:
         reused: tuple[int, ...] = (),
         remembered: tuple[int, ...] | None = None,
         root: int | None = None,
+        lead: tuple[int, ...] | None = None,
     ) -> LazyKeys:
         """``keys`` as :class:`LazyKeys`: the reused prefix's keys are known at once, the
-        rest computed as read. ``remembered`` is remembered with the lazy keys themselves,
-        completed when a later turn reuses it (the gateway completes them after routing)."""
+        rest computed as read. ``remembered`` (and ``lead``, a shorter prefix remembered too:
+        a chat's system prompt) is remembered with the lazy keys themselves, completed when
+        a later turn reuses it (the gateway completes them after routing)."""
         slot = (id(reused), root)
         entry = self._items.get(slot) if reused else None
         if entry is not None and entry[0] is reused:
@@ -573,8 +575,10 @@ class PrefixKeys:
         else:
             self.misses += 1
             keys = LazyKeys(self.keyer, ids, root)
-        if remembered is not None and len(remembered) >= self.keyer.block_size:
-            self._put(remembered, keys, len(remembered) // self.keyer.block_size)
+        bs = self.keyer.block_size
+        for prefix in (remembered, lead):
+            if prefix is not None and len(prefix) >= bs:
+                self._put(prefix, keys, len(prefix) // bs)
         return keys
 
     def _put(self, prefix: tuple[int, ...], keys: LazyKeys, n: int) -> None:

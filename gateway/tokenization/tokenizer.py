@@ -76,7 +76,8 @@ _PRIOR_CHARS = 4_096
 
 @dataclass(frozen=True)
 class PromptPlan:
-    """A completion prompt cut and looked up, not yet encoded (:meth:`Tokenizer.plan_prompt`).
+    """A completion prompt (or a rendered chat) cut and looked up, not yet encoded
+    (:meth:`Tokenizer.plan_prompt`, :meth:`Tokenizer.plan_chat`).
 
     Its first ``known`` ids, up to its first uncached piece, are exact (:meth:`known_ids`): a
     caller can act on them (the gateway routes on them) while :meth:`Tokenizer.aencode_planned`
@@ -90,6 +91,9 @@ class PromptPlan:
     add_special_tokens: bool
     plan: Plan
     head: Ids = ()
+    #: a rendered chat (:meth:`Tokenizer.plan_chat`): finished by
+    #: :meth:`Tokenizer.aencode_chat_plan`, its ``head`` the remembered prefix it reuses
+    chat: bool = False
 
     def first_missing(self) -> str | None:
         """The first uncached piece (None: every piece is cached)."""
@@ -466,10 +470,15 @@ class Tokenizer:
         resolved = [ids if isinstance(r, str) and r == first else r for r in plan.resolved]
         missing = [m for m in plan.missing if m != first]
         done = replace(plan, resolved=resolved, missing=missing)
-        return self._prompt_plan(done, planned.add_special_tokens)
+        return self._prompt_plan(done, planned.add_special_tokens, planned.chat)
 
-    def _prompt_plan(self, plan: Plan, add_special_tokens: bool) -> PromptPlan:
-        head, tail = self._specials if add_special_tokens and self._specials else ((), ())
+    def _prompt_plan(self, plan: Plan, add_special_tokens: bool, chat: bool = False) -> PromptPlan:
+        head: Ids
+        tail: Ids
+        if chat:  # the ids of a remembered prefix, then the rendered text's pieces
+            head, tail = plan.head, ()
+        else:
+            head, tail = self._specials if add_special_tokens and self._specials else ((), ())
         known, later, chars = len(head), len(tail), 0
         open_ = False  # past the first uncached piece
         for ids in plan.resolved:
@@ -484,7 +493,7 @@ class Tokenizer:
         if chars:
             estimate += max(1, round(chars * self._tokens_encoded / self._chars_encoded))
         missing = sum(map(len, plan.missing))
-        return PromptPlan(known, estimate, missing, add_special_tokens, plan, head)
+        return PromptPlan(known, estimate, missing, add_special_tokens, plan, head, chat)
 
     def encode_planned(self, planned: PromptPlan) -> list[int]:
         """The ids of a :meth:`plan_prompt` prompt, encoding its uncached text here."""
@@ -494,6 +503,8 @@ class Tokenizer:
     async def aencode_planned(self, planned: PromptPlan, thread: bool | None = None) -> list[int]:
         """:meth:`encode_planned`, the uncached text on a worker thread when ``thread`` (None:
         when it is at least ``thread_threshold_chars`` long, as :meth:`aencode` does)."""
+        if planned.chat:
+            raise ValueError("a chat's plan is finished by aencode_chat_plan")
         if thread is None:
             thread = planned.missing_chars >= self.thread_threshold_chars
         if not thread:
@@ -658,17 +669,36 @@ class Tokenizer:
             return KnownChat(prefix.ids, bound, estimate)
         return None
 
+    def plan_chat(self, draft: ChatDraft) -> PromptPlan | str:
+        """A drafted chat rendered, its remembered prefix reused, the rest cut and looked up,
+        nothing encoded yet: a plan that :meth:`aencode_chat_plan` finishes to exactly
+        :meth:`aencode_draft`'s ids (a caller can act on its known first ids meanwhile, as
+        on a completion prompt's); the rendered text when it is encoded whole."""
+        text, keys, lead = self._render_draft(draft)
+        plan = self._plan(text, keys, lead)
+        return text if plan is None else self._prompt_plan(plan, False, chat=True)
+
+    async def aencode_chat_plan(self, planned: PromptPlan, thread: bool | None = None) -> ChatIds:
+        """The ids of a :meth:`plan_chat` chat (remembered as :meth:`aencode_draft` does), its
+        uncached text on a worker thread when ``thread`` (None: when it is at least
+        ``thread_threshold_chars`` long)."""
+        if not planned.chat:
+            raise ValueError("not a chat's plan")
+        plan = planned.plan
+        if thread is None:
+            thread = planned.missing_chars >= self.thread_threshold_chars
+        if thread:
+            return self._finish(plan, await self._in_thread(plan.missing, False))
+        return self._finish(plan, self._encode_many(plan.missing))
+
     async def aencode_draft(self, draft: ChatDraft, known: KnownChat | None = None) -> ChatIds:
         """:meth:`aencode_chat_ids` of a drafted chat. ``known``: what :meth:`known_chat`
         guessed, scored (the ids must start with that very prefix)."""
-        text, keys, lead = self._render_draft(draft)
-        plan = self._plan(text, keys, lead)
-        if plan is None:
-            chat = ChatIds(await self.aencode(text, add_special_tokens=False))
-        elif sum(map(len, plan.missing)) < self.thread_threshold_chars:
-            chat = self._finish(plan, self._encode_many(plan.missing))
+        planned = self.plan_chat(draft)
+        if isinstance(planned, str):
+            chat = ChatIds(await self.aencode(planned, add_special_tokens=False))
         else:
-            chat = self._finish(plan, await self._in_thread(plan.missing, False))
+            chat = await self.aencode_chat_plan(planned)
         if known is not None:
             guesses, misses = self._guesses.get(draft.name, (0, 0))
             self._guesses[draft.name] = (guesses + 1, misses + (chat.reused is not known.ids))
@@ -825,9 +855,10 @@ class Tokenizer:
         remembered = None
         if plan.key is not None and cut[1] > len(plan.head):
             remembered = self._remember(plan.key, plan.text, cut, plan.head, out)
+        lead = None
         if plan.lead is not None and lead_cut[1] > len(plan.head):
-            self._remember(plan.lead[0], plan.text[: plan.lead[1]], lead_cut, plan.head, out)
-        return ChatIds(out, plan.head, remembered)
+            lead = self._remember(plan.lead[0], plan.text[: plan.lead[1]], lead_cut, plan.head, out)
+        return ChatIds(out, plan.head, remembered, lead)
 
     def _remember(
         self, key: int, text: str, cut: tuple[int, int], head: Ids, out: list[int]

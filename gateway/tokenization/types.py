@@ -43,8 +43,11 @@ class ChatIds:
 
     ``reused`` is the remembered prefix the ids start with (``()`` if none): the same tuple
     object for every request that reused it, as long as the cache holds it. ``remembered``
-    is the prefix this request left for the next turn (None when it kept ``reused``)."""
+    is the prefix this request left for the next turn (None when it kept ``reused``);
+    ``lead`` the one it left under its first message alone (a system prompt: the start of
+    new conversations under it), None when it left none."""
 
     ids: list[int]
     reused: Ids = ()
     remembered: Ids | None = None
+    lead: Ids | None = None

@@ -43,8 +43,10 @@ ABC CBA ...), each phase with fresh conversations:
 ``--mode completion`` sends Q3's requests instead (one shared prefix, a new question each) and
 ``--mode cold`` Q5's cold path (every request a new text: nothing cached in the gateway's
 tokenizer or the engine; with ``--shared-words N`` after one N-word head every request
-shares, as a production trace's long prompts do), both on ``/v1/completions``, with P5's
-bounds applied to them.
+shares, as a production trace's long prompts do), both on ``/v1/completions``; ``--mode rag``
+sends chats, each a new conversation under one system prompt (``--shared-words``) whose
+message is a new ``--prompt-tokens``-word document (retrieval-augmented traffic). P5's bounds
+are applied to each.
 
 ``ok`` is P5's verdict for kvroute: added p50 <= 1 ms and <= smg's, p99 <= 2 x smg's, from the
 same run (``targets``); each system gets the same checks in its own row. A peer that is not
@@ -140,13 +142,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     a(
         "--mode",
-        choices=("chat", "completion", "cold"),
+        choices=("chat", "completion", "cold", "rag"),
         default="chat",
         help="chat: multi-turn chats growing through --prompt-tokens (P5); completion: Q3's "
         "requests, one --prompt-tokens-word prefix shared by all and a new --user-tokens "
         "question each, on /v1/completions; cold: Q5's cold path, every request a new "
         "--prompt-tokens-word text on /v1/completions (nothing cached in the gateway or the "
-        "engine)",
+        "engine); rag: every request a new chat under one system prompt of --shared-words "
+        "words (200 when 0), its user message a new --prompt-tokens-word document",
     )
     a("--prompt-tokens", type=int, default=8000, help="chat size the conversations grow through")
     a(
@@ -154,7 +157,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="--mode cold: every new text starts with one prefix of this many words, as a "
-        "production trace's prompts share a short head (0: none)",
+        "production trace's prompts share a short head (0: none); --mode rag: the system "
+        "prompt's words",
     )
     a("--user-tokens", type=int, default=32, help="words in each new user message")
     a("--max-tokens", type=int, default=8, help="streamed tokens per reply")
@@ -322,6 +326,8 @@ class Conversation:
     prefix: str | None = None
     #: words of each new question (--user-tokens; --mode cold: the whole --prompt-tokens)
     question_words: int = 0
+    #: --mode rag: each turn is a new conversation (its last message replaced, not answered)
+    renew: bool = False
 
 
 @dataclass
@@ -368,7 +374,9 @@ def _make_conversations(
         hot = _text(shared, args.prompt_tokens)
     elif args.mode == "cold":
         hot = _text(shared, args.shared_words) if args.shared_words > 0 else ""
-    question_words = args.prompt_tokens if args.mode == "cold" else args.user_tokens
+    elif args.mode == "rag" and args.shared_words > 0:
+        system_prompt = _text(shared, args.shared_words)
+    question_words = args.prompt_tokens if args.mode in ("cold", "rag") else args.user_tokens
     n_twins = max(1, math.ceil(args.conversations / max(1, args.direct_every)))
     twins: list[TwinPair] = []
     solos: list[TwinPair] = []
@@ -381,6 +389,13 @@ def _make_conversations(
                 question = {"role": "user", "content": _text(rng, question_words)}
                 convs.append(
                     Conversation([question], rng, prefix=hot, question_words=question_words)
+                )
+                continue
+            if args.mode == "rag":  # one system prompt, a new document each
+                document = {"role": "user", "content": _text(rng, question_words)}
+                system = {"role": "system", "content": system_prompt}
+                convs.append(
+                    Conversation([system, document], rng, question_words=question_words, renew=True)
                 )
                 continue
             history = _text(rng, max(1, start_words - 200 - int(shape * 100)))
@@ -422,6 +437,9 @@ def _next_turn(conv: Conversation, reply: str, user_tokens: int) -> None:
     if conv.prefix is not None:  # a completion: the same prefix, a new question
         words = conv.question_words or user_tokens
         conv.messages[-1] = {"role": "user", "content": _text(conv.rng, words)}
+        return
+    if conv.renew:  # a new conversation under the same system prompt
+        conv.messages[-1] = {"role": "user", "content": _text(conv.rng, conv.question_words)}
         return
     conv.messages.append({"role": "assistant", "content": reply})
     conv.messages.append({"role": "user", "content": _text(conv.rng, user_tokens)})
@@ -883,8 +901,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(pool_settings) - known)
     if unknown:  # refused here, not by a gateway that fails to start
         raise SystemExit(f"--pool-set: unknown pool setting(s) {', '.join(unknown)}")
-    if args.shared_words < 0 or (args.shared_words and args.mode != "cold"):
-        raise SystemExit("--shared-words: a number of words >= 0, with --mode cold only")
+    if args.shared_words < 0 or (args.shared_words and args.mode not in ("cold", "rag")):
+        raise SystemExit("--shared-words: a number of words >= 0, with --mode cold or rag only")
     cfg = StackConfig(
         pool_settings=pool_settings,
         workers=args.workers,
