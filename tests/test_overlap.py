@@ -499,6 +499,35 @@ def test_a_chat_with_a_long_new_message_is_routed_on_its_known_ids(
     asyncio.run(run())
 
 
+def test_an_agent_turn_with_a_long_tool_output_goes_to_its_conversations_worker(
+    pool: Pool, plain: tokenizers.Tokenizer
+) -> None:
+    """A known conversation's next turn whose new text is most of it (a tool's long output):
+    not routed on the previous turn's ids (the new text is too large a part), but rendered,
+    routed on its known ids once the match stops inside the output, to the worker holding
+    the conversation, with its whole match; the exact ids follow."""
+    index = pool.router.index
+
+    async def run() -> None:
+        await (await pool.prepare(chat(turns(2)), overlap=True)).ready()
+        index.stored("w1", None, pool.keyer.keys(exact_chat_ids(pool, plain, turns(2))))
+        index.stored("w0", None, pool.keyer.keys(exact_chat_ids(pool, plain, turns(1))))
+        tool = [*turns(2), {"role": "assistant", "content": "Let me look."}]
+        tool.append({"role": "user", "content": "Tool output:" + RETRIEVED * 2})
+        exact = exact_chat_ids(pool, plain, tool)
+        known = pool.tokenizer.known_chat(pool.tokenizer.draft_chat(tool))
+        assert known is not None and not pool._chat_overlaps(known, 16)  # too much new text
+        prep = await pool.prepare(chat(tool), overlap=True)
+        assert prep.pending and list(prep.ids) == exact[: len(prep.ids)]
+        held = len(pool.keyer.keys(exact_chat_ids(pool, plain, turns(2))))
+        decision = await route_while_encoded(pool, prep, 1.0)
+        assert decision.worker == "w1" and decision.matched_tokens >= (held - 1) * BS
+        assert list(prep.ids) == exact and prep.keys.all() == pool.keyer.keys(exact)
+        assert holds_all(pool, "w1", pool.keyer.keys(exact))
+
+    asyncio.run(run())
+
+
 def test_a_long_message_a_worker_holds_is_encoded_first(plain: tokenizers.Tokenizer) -> None:
     """The document's first pieces are held by a worker as far as the loop looks: its match
     may go on past them, so the chat is encoded before it is routed; likewise with the
