@@ -366,6 +366,7 @@ def test_smoke_rag_mode(capsys: pytest.CaptureFixture[str], overlap: bool) -> No
         "--duration", "1.5", "--pool-set", f"tokenize_overlap_chats={str(overlap).lower()}",
     )  # fmt: skip
     assert r["config"]["mode"] == "rag" and r["config"]["shared_words"] == 400
+    assert "P5's bounds applied to new chats" in r["targets_note"]
     s = r["systems"][gw.KVROUTE]
     assert s["errors"] == 0 and s["pairs"] >= 4, s
     # the system prompt and the document, in the chat template's frame

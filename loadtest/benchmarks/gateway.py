@@ -967,10 +967,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         targets_note = f"checks against smg fail: {reason}"
     else:
         targets_note = ""
-    if args.mode != "chat":  # P5 is worded for chats: its bounds, on other requests
-        targets_note = "; ".join(
-            filter(None, [targets_note, "P5's bounds applied to completions (P5 is on chats)"])
+    if args.mode != "chat":  # P5 is worded for chats' new turns: its bounds, on other requests
+        other = (
+            "new chats, each with a new document (P5 is on new turns of chats)"
+            if args.mode == "rag"
+            else "completions (P5 is on chats)"
         )
+        targets_note = "; ".join(filter(None, [targets_note, f"P5's bounds applied to {other}"]))
 
     result: dict[str, Any] = {
         "benchmark": NAME,
