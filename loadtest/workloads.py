@@ -362,12 +362,16 @@ class WorkItem:
     model: str | None = None
 
     def messages(self) -> list[dict[str, str]]:
-        """Chat messages: consecutive segments of one role merge into one message."""
+        """Chat messages: consecutive segments of one role merge into one message. A tool
+        result carries the ``tool_call_id`` that OpenAI's schema requires (smg refuses the
+        message without it), the same for its segment on every request that resends it."""
         out: list[dict[str, str]] = []
         for s in self.segments:
             role = "user" if s.role == "text" else s.role
-            if out and out[-1]["role"] == role:
+            if out and out[-1]["role"] == role and role != "tool":
                 out[-1]["content"] += s.text
+            elif role == "tool":
+                out.append({"role": role, "content": s.text, "tool_call_id": f"call_{s.key}"})
             else:
                 out.append({"role": role, "content": s.text})
         return out
