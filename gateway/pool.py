@@ -472,8 +472,8 @@ class Pool:
         self, prep: Prepared, planned: PromptPlan, max_tokens: int | None, param: str
     ) -> None:
         """The rest of an overlapped rendered chat (a long new message): as :meth:`_finish`,
-        its keys made again from the remembered prefixes (so the next turn starts from
-        them), those of the known ids kept as they were."""
+        its keys made again from the remembered prefixes (so that the next turn starts from
+        them); the speculative inserts already made on the known ids stand."""
         chat = await self._exactly(
             prep, self.tokenizer.aencode_chat_plan(planned, thread=True), param
         )

@@ -52,6 +52,8 @@ async def test_sglang_router_routes_to_sim_workers(tokenizer: Tokenizer, logs: P
         router = ChildProcess(
             [str(ROUTER), "launch", "--worker-urls", *urls, "--policy", "round_robin",
              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
+             # its metrics on a free loopback port, not the default 29000 any process may hold
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
              "--tokenizer-path", str(bundled_test_tokenizer())],
             "sglang-router", logs,
         ).start()  # fmt: skip
