@@ -129,12 +129,13 @@ class PoolSettings:
     #: on its known first ids as a completion prompt is (the two settings below and above)
     tokenize_overlap_chats: bool = True
     #: a completion prompt (or rendered chat) with nothing cached (or too much new text for
-    #: the fraction above) is routed on its first ids when no worker holds all of their blocks: its first
-    #: uncached piece is encoded here, and if the index's longest match stops inside it the
-    #: rest of the prompt cannot lengthen any worker's match, so the decision on those ids is
-    #: the decision on all of them (only the count is estimated); the rest is encoded while
-    #: the request is on its way. After a prefix some worker holds whole (a head every
-    #: request shares), up to four more pieces are encoded here to find where the match stops
+    #: the fraction above) is routed on its first ids when no worker holds all of their
+    #: blocks: its first uncached piece is encoded here, and if the index's longest match
+    #: stops inside it the rest of the prompt cannot lengthen any worker's match, so the
+    #: decision on those ids is the decision on all of them (only the count is estimated);
+    #: the rest is encoded while the request is on its way. After a prefix some worker holds
+    #: whole (a head every request shares), up to four more pieces are encoded here to find
+    #: where the match stops
     tokenize_overlap_cold: bool = True
     static_workers: list[StaticWorker] = field(default_factory=list)
     #: LoRA adapters every worker of the pool serves (engines started with the same

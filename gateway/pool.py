@@ -65,6 +65,9 @@ _SEND_FIRST_STEPS = 2
 #: hundred tokens takes one, and past four the match is a document some worker holds
 _CLOSE_PIECES = 4
 
+#: a prompt's known first ids' keys and the ids (``Pool._routable``)
+_Known = tuple[LazyKeys, list[int]]
+
 #: the request field holding a chat-like request's conversation
 _MESSAGES_PARAM = {"chat": "messages", "responses": "input", "messages": "messages"}
 
@@ -221,10 +224,10 @@ class Pool:
                     if isinstance(rendered, str):
                         chat = ChatIds(await tok.aencode(rendered, add_special_tokens=False))
                     else:
-                        rendered, keys = self._routable(rendered, req.max_tokens, adapter)
-                        if keys is not None:
+                        rendered, on = self._routable(rendered, req.max_tokens, adapter)
+                        if on is not None:
                             return self._overlapped(
-                                rendered, req.max_tokens, adapter, t0, keys, body, param
+                                rendered, req.max_tokens, adapter, t0, *on, body, param
                             )
                         chat = await tok.aencode_chat_plan(rendered)
             elif req.prompt_ids is not None:
@@ -244,9 +247,9 @@ class Pool:
                     chat = ChatIds(await tok.aencode(req.prompt_text, add_special_tokens=True))
                 else:
                     if overlap:
-                        planned, keys = self._routable(planned, req.max_tokens, adapter)
-                        if keys is not None:
-                            return self._overlapped(planned, req.max_tokens, adapter, t0, keys)
+                        planned, on = self._routable(planned, req.max_tokens, adapter)
+                        if on is not None:
+                            return self._overlapped(planned, req.max_tokens, adapter, t0, *on)
                     chat = ChatIds(await tok.aencode_planned(planned))
         except (TokenizationError, UnicodeError) as exc:
             param = "prompt" if req.messages is None else _MESSAGES_PARAM[req.kind]
@@ -264,20 +267,22 @@ class Pool:
 
     def _routable(
         self, planned: PromptPlan, max_tokens: int | None, adapter: str | None
-    ) -> tuple[PromptPlan, LazyKeys | None]:
+    ) -> tuple[PromptPlan, _Known | None]:
         """The plan to finish a prompt with and, when it is to be routed on its known first
-        ids while the rest is encoded, their keys (``_overlaps``, else ``_closed``)."""
+        ids while the rest is encoded, their keys and those ids (``_overlaps``, else
+        ``_closed``)."""
         if self._overlaps(planned, max_tokens):
-            return planned, self._known_keys(planned, adapter)
+            return planned, self._known(planned, adapter)
         return self._closed(planned, max_tokens, adapter)
 
-    def _known_keys(self, planned: PromptPlan, adapter: str | None) -> LazyKeys:
-        """Keys of ``planned``'s known ids; a chat's start from its remembered prefix's."""
+    def _known(self, planned: PromptPlan, adapter: str | None) -> _Known:
+        """``planned``'s known ids and their keys; a chat's keys start from its remembered
+        prefix's."""
         root = self.keyer.adapter_root(adapter)
         known = planned.known_ids()
         if planned.chat and planned.head:
-            return self.prefix_keys.lazy(known, planned.head, None, root)
-        return LazyKeys(self.keyer, known, root)
+            return self.prefix_keys.lazy(known, planned.head, None, root), known
+        return LazyKeys(self.keyer, known, root), known
 
     def _overlaps(self, planned: PromptPlan, max_tokens: int | None) -> bool:
         """Whether to route ``planned`` on its known ids: enough new text to be worth a
@@ -298,10 +303,10 @@ class Pool:
 
     def _closed(
         self, planned: PromptPlan, max_tokens: int | None, adapter: str | None
-    ) -> tuple[PromptPlan, LazyKeys | None]:
+    ) -> tuple[PromptPlan, _Known | None]:
         """The plan to finish the prompt with and, when no worker holds every block of its
-        known ids, their keys: a prefix match that stops inside them cannot grow with the
-        rest of the prompt, so routing on them misses nothing. While some worker holds every
+        known ids, their keys (and the ids): a prefix match that stops inside them cannot
+        grow with the rest of the prompt, so routing on them misses nothing. While some worker holds every
         known block (a prefix every request shares, then new text), the first uncached piece
         is encoded here (the cut kept), up to ``_CLOSE_PIECES`` pieces: the match
         then usually stops in the new text (a document seen nowhere) and the rest is encoded
@@ -320,10 +325,10 @@ class Pool:
             if planned.known >= s.block_size:
                 if too_long(planned.estimate, max_tokens, s.max_model_len) is not None:
                     return planned, None
-                keys = self._known_keys(planned, adapter)
-                masks = self.router.index.match_masks(keys)
-                if not masks or masks[0][0] < len(keys):
-                    return planned, keys
+                on = self._known(planned, adapter)
+                masks = self.router.index.match_masks(on[0])
+                if not masks or masks[0][0] < len(on[0]):
+                    return planned, on
                 # a worker holds every known block: the rest may lengthen its match
             if encoded == _CLOSE_PIECES:
                 return planned, None
@@ -391,8 +396,16 @@ class Pool:
         for _ in range(_SEND_FIRST_STEPS):
             await asyncio.sleep(0)
         chat = await self._exactly(prep, self.tokenizer.aencode_draft(draft, known), param)
-        if chat is None:
-            return
+        if chat is not None:
+            self._complete_chat(prep, chat, max_tokens, chat.reused is known.ids)
+
+    def _complete_chat(
+        self, prep: Prepared, chat: ChatIds, max_tokens: int | None, kept: bool
+    ) -> None:
+        """An overlapped chat's exact ids checked as ``prepare`` checks them, its keys made
+        from the remembered prefixes (so that the next turn starts from them), and the
+        speculative inserts of the decisions made so far completed. ``kept``: the ids start
+        with the known ids the decisions were made on, whose keys and inserts stand."""
         ids = chat.ids
         if not ids:
             prep.error = bad_request("the prompt is empty after tokenization", code="empty_prompt")
@@ -402,8 +415,7 @@ class Pool:
             return
         self.router.index.settle()
         keys = self.prefix_keys.lazy(ids, chat.reused, chat.remembered, prep.keys.root, chat.lead)
-        # the render started with the known ids: their keys (and inserts) stand
-        start = len(prep.keys) if chat.reused is known.ids else 0
+        start = len(prep.keys) if kept else 0
         self._match_exact(prep, keys, start)
         prep.keys, prep.ids, prep.prompt_tokens = keys, ids, len(ids)
         self._speculate_rest(prep, start)
@@ -435,12 +447,12 @@ class Pool:
         adapter: str | None,
         t0: float,
         keys: LazyKeys,
+        known: list[int],
         body: bytes | None = None,
         param: str = "prompt",
     ) -> Prepared:
-        """Route on ``planned``'s known ids (``keys``: theirs) while the rest is encoded."""
+        """Route on ``planned``'s ``known`` ids (``keys``: theirs) while the rest is encoded."""
         t1 = time.perf_counter()
-        known = planned.known_ids()
         prep = Prepared(planned.estimate, keys, t1 - t0, 0.0, body, adapter, known)
         finish = (
             self._finish_chat_plan(prep, planned, max_tokens, param)
@@ -471,24 +483,13 @@ class Pool:
     async def _finish_chat_plan(
         self, prep: Prepared, planned: PromptPlan, max_tokens: int | None, param: str
     ) -> None:
-        """The rest of an overlapped rendered chat (a long new message): as :meth:`_finish`,
-        its keys made again from the remembered prefixes (so that the next turn starts from
-        them); the speculative inserts already made on the known ids stand."""
+        """The rest of an overlapped rendered chat (a long new message), encoded on a
+        thread; its ids start with the known ids, always."""
         chat = await self._exactly(
             prep, self.tokenizer.aencode_chat_plan(planned, thread=True), param
         )
-        if chat is None:
-            return
-        ids = chat.ids
-        prep.error = too_long(len(ids), max_tokens, self.settings.max_model_len)
-        if prep.error is not None:
-            return
-        self.router.index.settle()
-        keys = self.prefix_keys.lazy(ids, chat.reused, chat.remembered, prep.keys.root, chat.lead)
-        start = len(prep.keys)
-        self._match_exact(prep, keys, start)
-        prep.keys, prep.ids, prep.prompt_tokens = keys, ids, len(ids)
-        self._speculate_rest(prep, start)
+        if chat is not None:
+            self._complete_chat(prep, chat, max_tokens, kept=True)
 
     async def _exactly(self, prep: Prepared, encode: Awaitable[T], param: str) -> T | None:
         """An overlapped prompt's exact encode, or None with ``prep.error`` set to what its

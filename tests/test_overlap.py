@@ -333,7 +333,9 @@ def test_an_overlapped_chats_match_is_measured_on_its_exact_ids(
     asyncio.run(run())
 
 
-def test_a_chat_is_encoded_first_when_overlap_is_off_or_unsafe() -> None:
+def test_a_chat_is_encoded_first_when_overlap_is_off_or_unsafe(
+    plain: tokenizers.Tokenizer,
+) -> None:
     for kw, overlap in (({"tokenize_overlap_chats": False}, True), ({}, False)):
         p = make_pool(**kw)
 
@@ -351,7 +353,7 @@ def test_a_chat_is_encoded_first_when_overlap_is_off_or_unsafe() -> None:
         # new text that may be most of the prompt, which a worker holds as far as the loop
         # looks (``_CLOSE_PIECES``): the decision on the known ids could miss much
         long = [*turns(2)[:-1], {"role": "user", "content": DOCUMENT[:20000]}]
-        ids = exact_chat_ids(p, tokenizers.Tokenizer.from_file(str(PATH)), long)
+        ids = exact_chat_ids(p, plain, long)
         p.router.index.stored("w0", None, p.keyer.keys(ids))
         assert (await p.prepare(chat(long), overlap=True)).rest is None
         # a bound past the context is checked exactly before anything is sent

@@ -505,13 +505,16 @@ class Tokenizer:
         when it is at least ``thread_threshold_chars`` long, as :meth:`aencode` does)."""
         if planned.chat:
             raise ValueError("a chat's plan is finished by aencode_chat_plan")
+        encoded = await self._encode_missing(planned, thread)
+        return self._finish_text(planned.plan, encoded, planned.add_special_tokens)
+
+    async def _encode_missing(self, planned: PromptPlan, thread: bool | None) -> list[list[int]]:
+        """A plan's uncached pieces encoded, on a worker thread when ``thread`` (None: when
+        they are at least ``thread_threshold_chars`` long)."""
         if thread is None:
             thread = planned.missing_chars >= self.thread_threshold_chars
-        if not thread:
-            return self.encode_planned(planned)
-        plan = planned.plan
-        encoded = await self._in_thread(plan.missing, False)
-        return self._finish_text(plan, encoded, planned.add_special_tokens)
+        missing = planned.plan.missing
+        return await self._in_thread(missing, False) if thread else self._encode_many(missing)
 
     def _plan_text(self, text: str, add_special_tokens: bool) -> Plan | None:
         """A completion prompt cut at added tokens and into chunks, its pieces looked up; None
@@ -684,12 +687,7 @@ class Tokenizer:
         ``thread_threshold_chars`` long)."""
         if not planned.chat:
             raise ValueError("not a chat's plan")
-        plan = planned.plan
-        if thread is None:
-            thread = planned.missing_chars >= self.thread_threshold_chars
-        if thread:
-            return self._finish(plan, await self._in_thread(plan.missing, False))
-        return self._finish(plan, self._encode_many(plan.missing))
+        return self._finish(planned.plan, await self._encode_missing(planned, thread))
 
     async def aencode_draft(self, draft: ChatDraft, known: KnownChat | None = None) -> ChatIds:
         """:meth:`aencode_chat_ids` of a drafted chat. ``known``: what :meth:`known_chat`
