@@ -66,3 +66,36 @@ def logs(tmp_path: Path) -> Path:
     d = tmp_path / "logs"
     d.mkdir()
     return d
+
+
+#: the test files that take longest, slowest first (seconds of one pytest worker, measured
+#: 2026-12-07: test_compare 165, test_soak 92, test_vllm_real 90, test_redis_cluster 85,
+#: test_bench_gateway 70, test_benchmarks 52; every other file under 45)
+_SLOW_FILES = (
+    "test_compare.py",
+    "test_soak.py",
+    "test_vllm_real.py",
+    "test_redis_cluster.py",
+    "test_bench_gateway.py",
+    "test_benchmarks.py",
+    "test_operations.py",
+    "test_security.py",
+    "test_disaggregation.py",
+    "test_faults.py",
+    "test_gateway_e2e.py",
+    "test_compiled.py",
+    "test_tokenization.py",
+    "test_chunking.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``scripts/test``: whole files per worker, handed out in collection
+    order with ``--no-loadscope-reorder``) the slowest files go first, so that none of them is
+    left to run alone at the end while the other worker idles. xdist's own order (files with
+    more tests first) started test_soak.py (92 s, two tests) last. Within a file, and among
+    the other files, the collected order stays."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {name: i for i, name in enumerate(_SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
