@@ -1043,13 +1043,13 @@ class _Runner:
                 )
                 stack.add_process(peer.proc)
                 peers.append(peer)
-                urls.append(peer.url)
             try:
                 for peer in peers:
                     peer.wait_ready()
             except BaseException:
                 _stop_peers(stack, peers)
                 raise
+            urls = [peer.url for peer in peers]  # once ready: a peer that lost a port moved
         else:
             _, _, policy = system.partition("-")
             stack.config.policy = policy or "ttft"

@@ -70,6 +70,13 @@ HISTORICAL_NOTE = (
 )
 
 
+#: a peer's error when a port it was given is bound by the time it starts (smg, vllm-router
+#: and sglang-router are Rust: the OS error's text)
+PORT_TAKEN = "Address already in use"
+#: starts of a peer that lost a port race, the first included (``Peer.wait_ready``)
+PORT_ATTEMPTS = 3
+
+
 class PeerNotInstalled(HarnessError):
     """The peer's package is missing from this environment (the bench extra)."""
 
@@ -279,10 +286,13 @@ class Peer:
     ) -> None:
         self.spec = spec
         self.pool = pool
+        self.extra_args = tuple(extra_args)
         self.port, self.metrics_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [*self.command(), *spec.args, *extra_args]
+        self.args = [*self.command(), *spec.args, *self.extra_args]
         self.proc = ChildProcess(self.args, label or spec.name, log_dir)
+        #: times it was started again on new ports (:meth:`wait_ready`)
+        self.relaunches = 0
 
     # -- per kind ---------------------------------------------------------------------------
 
@@ -324,10 +334,18 @@ class Peer:
         return self.proc.alive()
 
     def wait_ready(self, timeout: float = 60.0) -> float:
-        """Poll ``ready()`` until it holds (seconds waited); fails fast if the process dies."""
+        """Poll ``ready()`` until it holds (seconds waited); fails fast if the process dies.
+
+        A peer that exits because a port it was given is taken is started again on new
+        ports (``url`` changes), ``PORT_ATTEMPTS`` times in all: its ports were free when
+        picked, but a router takes port numbers, not sockets, and another process (a test in
+        the other pytest worker) can bind one first (CI, 2026-12-07)."""
         t0 = time.monotonic()
         while True:
             if not self.proc.alive():
+                if self._lost_a_port() and self.relaunches + 1 < PORT_ATTEMPTS:
+                    self._relaunch()
+                    continue
                 raise HarnessError(f"{self.name} exited:\n{self.proc.tail()}")
             try:
                 if self.ready():
@@ -337,6 +355,19 @@ class Peer:
             if time.monotonic() - t0 > timeout:
                 raise HarnessError(f"{self.name} not ready in {timeout:g}s:\n{self.proc.tail()}")
             time.sleep(0.05)
+
+    def _lost_a_port(self) -> bool:
+        return any(PORT_TAKEN in line for line in self.proc.log_lines())
+
+    def _relaunch(self) -> None:
+        """The same process object started again on new ports (a stack that holds it still
+        stops it)."""
+        self.relaunches += 1
+        self.port, self.metrics_port = free_ports(2)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [*self.command(), *self.spec.args, *self.extra_args]
+        self.proc.args = list(self.args)
+        self.proc.start()
 
     def stop(self) -> None:
         self.proc.stop(timeout=10.0)
