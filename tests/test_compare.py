@@ -626,8 +626,9 @@ def test_gateway_replicas_behind_a_round_robin_front(tmp_path: Path) -> None:
         # warm-up and window, every one served by a worker that was a candidate
         assert len(log) >= rows[name]["requests"] and log.stats.records == len(log)
         # the front alternates: the two shares differ by at most one request
-        assert len(r["per_replica"]) == 2 and sum(r["per_replica"]) == r["requests"], r
-        assert abs(r["per_replica"][0] - r["per_replica"][1]) <= 1, r
+        row = rows[name]
+        assert len(row["per_replica"]) == 2 and sum(row["per_replica"]) == row["requests"], row
+        assert abs(row["per_replica"][0] - row["per_replica"][1]) <= 1, row
     for name in ("kvroute", "kvroute-round_robin"):
         routed = rows[name]["routed_per_replica"]
         # each process's own counter: both routed, together at least every measured request
