@@ -287,9 +287,7 @@ class Peer:
         self.spec = spec
         self.pool = pool
         self.extra_args = tuple(extra_args)
-        self.port, self.metrics_port = free_ports(2)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [*self.command(), *spec.args, *self.extra_args]
+        self._take_ports()
         self.proc = ChildProcess(self.args, label or spec.name, log_dir)
         #: times it was started again on new ports (:meth:`wait_ready`)
         self.relaunches = 0
@@ -359,13 +357,17 @@ class Peer:
     def _lost_a_port(self) -> bool:
         return any(PORT_TAKEN in line for line in self.proc.log_lines())
 
+    def _take_ports(self) -> None:
+        """Two free ports (its API, its metrics) and the command line that uses them."""
+        self.port, self.metrics_port = free_ports(2)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [*self.command(), *self.spec.args, *self.extra_args]
+
     def _relaunch(self) -> None:
         """The same process object started again on new ports (a stack that holds it still
         stops it)."""
         self.relaunches += 1
-        self.port, self.metrics_port = free_ports(2)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [*self.command(), *self.spec.args, *self.extra_args]
+        self._take_ports()
         self.proc.args = list(self.args)
         self.proc.start()
 

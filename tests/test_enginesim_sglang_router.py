@@ -19,6 +19,7 @@ from gateway.tokenization import Tokenizer, bundled_test_tokenizer
 from loadtest.enginesim.cluster import SimCluster
 from loadtest.enginesim.config import SimConfig, TimingConfig
 from loadtest.enginesim.text import load_tokenizer
+from loadtest.harness import HarnessError
 
 ROUTER = Path(sys.executable).with_name("sglang-router")
 
@@ -100,3 +101,24 @@ async def test_a_peer_whose_port_was_taken_starts_again_on_new_ports(
             assert peers.PORT_TAKEN in log  # the first start lost its port
     finally:
         held.close()
+
+
+async def test_a_peer_that_keeps_losing_its_port_fails_after_its_attempts(
+    tokenizer: Tokenizer, logs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every API port handed out is taken: after ``PORT_ATTEMPTS`` starts the peer fails with
+    its log, as any other exit does, instead of trying forever."""
+    held = [socket.socket() for _ in range(peers.PORT_ATTEMPTS)]
+    for h in held:
+        h.bind(("127.0.0.1", 0))
+    picks = [[h.getsockname()[1], peers.free_ports(1)[0]] for h in held]
+    monkeypatch.setattr(peers, "free_ports", lambda n: picks.pop())
+    try:
+        async with SimCluster(CFG, tokenizer=tokenizer) as cluster:
+            with pytest.raises(HarnessError, match=peers.PORT_TAKEN) as failed:
+                async with router_over(cluster, logs):
+                    pass
+            assert "exited" in str(failed.value) and not picks  # three starts, no fourth
+    finally:
+        for h in held:
+            h.close()
