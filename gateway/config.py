@@ -137,6 +137,12 @@ class PoolSettings:
     #: whole (a head every request shares), up to four more pieces are encoded here to find
     #: where the match stops
     tokenize_overlap_cold: bool = True
+    #: ... and before a whole piece (~1 KB) is encoded here for that, the start of it up to
+    #: this many characters (the next cut the tokenizer allows): when the index's match stops
+    #: inside those ids the request is routed on them and the piece is encoded with the rest,
+    #: off the loop. A prompt some worker holds the start of pays the short encode twice.
+    #: 0: whole pieces only
+    tokenize_probe_chars: int = 192
     static_workers: list[StaticWorker] = field(default_factory=list)
     #: LoRA adapters every worker of the pool serves (engines started with the same
     #: ``--lora-modules``); a request names one as its ``model``. Workers also register the
@@ -327,6 +333,8 @@ class GatewayConfig:
                 raise ConfigError(f"pools.{i}.tokenize_thread_chars: must be >= 0")
             if p.tokenize_overlap_chars < 0:
                 raise ConfigError(f"pools.{i}.tokenize_overlap_chars: must be >= 0")
+            if p.tokenize_probe_chars < 0:
+                raise ConfigError(f"pools.{i}.tokenize_probe_chars: must be >= 0")
             if not 0.0 <= p.tokenize_overlap_fraction <= 1.0:
                 raise ConfigError(f"pools.{i}.tokenize_overlap_fraction: must be in [0, 1]")
             if p.max_model_len < 1:

@@ -275,11 +275,13 @@ class Pool:
             return planned, self._known(planned, adapter)
         return self._closed(planned, max_tokens, adapter)
 
-    def _known(self, planned: PromptPlan, adapter: str | None) -> _Known:
-        """``planned``'s known ids and their keys; a chat's keys start from its remembered
-        prefix's."""
+    def _known(
+        self, planned: PromptPlan, adapter: str | None, ids: list[int] | None = None
+    ) -> _Known:
+        """``planned``'s known ids (or ``ids``, a longer prefix of its ids) and their keys; a
+        chat's keys start from its remembered prefix's."""
         root = self.keyer.adapter_root(adapter)
-        known = planned.known_ids()
+        known = planned.known_ids() if ids is None else ids
         if planned.chat and planned.head:
             return self.prefix_keys.lazy(known, planned.head, None, root), known
         return LazyKeys(self.keyer, known, root), known
@@ -307,8 +309,9 @@ class Pool:
         """The plan to finish the prompt with and, when no worker holds every block of its
         known ids, their keys (and the ids): a prefix match that stops inside them cannot
         grow with the rest of the prompt, so routing on them misses nothing. While some worker holds every
-        known block (a prefix every request shares, then new text), the first uncached piece
-        is encoded here (the cut kept), up to ``_CLOSE_PIECES`` pieces: the match
+        known block (a prefix every request shares, then new text), the start of the first
+        uncached piece is encoded here (``_probe``), and where the match goes on past it the
+        whole piece (the cut kept), up to ``_CLOSE_PIECES`` pieces: the match
         then usually stops in the new text (a document seen nowhere) and the rest is encoded
         while the request is on its way. No keys when the match goes on past those pieces,
         or the overlap is not worth it (``_overlaps``' other bounds)."""
@@ -324,10 +327,9 @@ class Pool:
         for encoded in range(_CLOSE_PIECES + 1):
             if planned.known >= s.block_size:
                 if too_long(planned.estimate, max_tokens, s.max_model_len) is not None:
-                    return planned, None
+                    return planned, None  # checked exactly before anything is sent
                 on = self._known(planned, adapter)
-                masks = self.router.index.match_masks(on[0])
-                if not masks or masks[0][0] < len(on[0]):
+                if self._stops_inside(on[0]):
                     return planned, on
                 # a worker holds every known block: the rest may lengthen its match
             if encoded == _CLOSE_PIECES:
@@ -335,10 +337,35 @@ class Pool:
             first = planned.first_missing()
             if first is None or len(first) >= s.tokenize_thread_chars:  # not on the loop
                 return planned, None
+            probed = self._probe(planned, max_tokens, adapter)
+            if probed is not None:
+                return planned, probed
             planned = self.tokenizer.encode_first_missing(planned)  # not encoded twice
             if planned.missing_chars < s.tokenize_overlap_chars:
                 return planned, None  # the rest is short: encoding it beats the overlap
         return planned, None  # not reached: the last pass returns
+
+    def _stops_inside(self, keys: LazyKeys) -> bool:
+        """No worker holds every block of ``keys``: the index's longest match stops inside
+        them, so no longer prompt starting with them can lengthen it."""
+        masks = self.router.index.match_masks(keys)
+        return not masks or masks[0][0] < len(keys)
+
+    def _probe(
+        self, planned: PromptPlan, max_tokens: int | None, adapter: str | None
+    ) -> _Known | None:
+        """The known ids and keys of ``planned`` with the start of its first uncached piece
+        (``tokenize_probe_chars``) when the index's match stops inside them, else None (the
+        whole piece is then encoded here, as without the probe). Most cold prompts are held
+        nowhere: their first blocks decide, and the piece's encode leaves the loop."""
+        s = self.settings
+        if too_long(planned.estimate, max_tokens, s.max_model_len) is not None:
+            return None
+        ids = self.tokenizer.probe_ids(planned, s.tokenize_probe_chars)
+        if ids is None or len(ids) // s.block_size <= planned.known // s.block_size:
+            return None  # no cut, or no whole block more than the known ids have
+        on = self._known(planned, adapter, ids)
+        return on if self._stops_inside(on[0]) else None
 
     @property
     def _may_overlap_chats(self) -> bool:

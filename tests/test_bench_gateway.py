@@ -328,6 +328,7 @@ def test_smoke_cold_mode_with_a_pool_setting(
     assert s["errors"] == 0 and s["pairs"] >= 4, s
     assert s["prompt_tokens_min"] == s["prompt_tokens_max"] == 1500
     assert s["cached_fraction_routed"] == 0 and s["cached_fraction_direct"] == 0
+    assert s["prepare_mean_ms"] > 0, s  # every request's preparation on the loop, read back
     if overlap:  # and each one's hold for its exact ids observed
         assert s["overlapped_fraction"] > 0.9, s
         assert 0 <= s["overlap_held_fraction"] <= 1 and s["overlap_wait_mean_ms"] >= 0, s

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, normalizers, pre_tokenizers, processors
 
 from gateway.tokenization import TokenizationError, Tokenizer, bundled_test_tokenizer
-from gateway.tokenization.chunking import Chunker, _outside_classes, unsafe_reason
+from gateway.tokenization.chunking import Chunker, _outside_classes, safe_cut, unsafe_reason
 from gateway.tokenization.splitter import splitting_config
 
 PATH = bundled_test_tokenizer()
@@ -31,6 +31,8 @@ ATOMS = [
     " world", " x", "-", "__",
 ]  # fmt: skip
 texts = st.lists(st.sampled_from(ATOMS), max_size=60).map("".join)
+# ... and with words between spaces often enough for safe cuts inside a chunk
+worded = st.lists(st.sampled_from(ATOMS + ["word", " alpha", " beta", " gamma"] * 4), max_size=60)
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +200,50 @@ def test_a_plan_with_its_first_piece_encoded_knows_past_it(plain: tokenizers.Tok
     assert done is not None and done.first_missing() is None
     with pytest.raises(ValueError, match="no uncached piece"):
         tk.encode_first_missing(done)
+
+
+@pytest.fixture(scope="module")
+def wide() -> Iterator[Tokenizer]:
+    """Chunks of 48+ characters: pieces long enough to probe inside."""
+    tk = load(48, cache_tokens=2000)
+    yield tk
+    tk.close()
+
+
+@PROPERTY
+@given(parts=st.lists(worded.map("".join), min_size=1, max_size=3), chars=st.integers(1, 40))
+def test_a_probe_knows_a_prefix_of_the_ids_past_the_known_ones(
+    wide: Tokenizer, plain: tokenizers.Tokenizer, parts: list[str], chars: int
+) -> None:
+    """``probe_ids`` (the gateway routes a cold prompt on the start of its first uncached
+    piece): the known ids and that start's ids are a prefix of the exact ids, the start ends
+    at the piece's first safe cut at or after ``chars``, and nothing is cached or counted."""
+    small = wide
+    prompt = "".join(parts)
+    small.encode(parts[0] + " cached")  # some pieces known, so the probe follows them
+    planned = small.plan_prompt(prompt)
+    if planned is None or planned.first_missing() is None:
+        return
+    first = planned.first_missing()
+    assert first is not None
+    counted = small._chars_encoded
+    ids = small.probe_ids(planned, chars)
+    cut = safe_cut(first, chars)
+    if cut == -1:
+        assert ids is None
+        return
+    assert ids is not None and small._chars_encoded == counted
+    expected = plain.encode(prompt).ids
+    assert ids == expected[: len(ids)] and len(ids) >= planned.known
+    assert ids[planned.known :] == plain.encode(first[:cut], add_special_tokens=False).ids
+    assert small.plan_prompt(prompt) == planned  # nothing cached by the probe
+
+
+def test_a_safe_cut_is_the_chunkers() -> None:
+    text = "ab 12 c d  e f"
+    assert [safe_cut(text, i) for i in (1, 3, 7, 9, 12)] == [7, 7, 7, 12, 12]
+    assert safe_cut(text, 13) == -1 and safe_cut("a b", 1) == 1
+    assert Chunker(1).chunks(text) == ["ab 12 c", " d  e", " f"]
 
 
 def _letters(i: int) -> str:

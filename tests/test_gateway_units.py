@@ -367,6 +367,9 @@ def test_pool_tokenize_thread_chars_sets_the_offload_and_zero_turns_it_off() -> 
     bad = GatewayConfig(pools=[PoolSettings("m", path, tokenize_thread_chars=-1)])
     with pytest.raises(ConfigError, match="tokenize_thread_chars: must be >= 0"):
         bad.validate()
+    bad = GatewayConfig(pools=[PoolSettings("m", path, tokenize_probe_chars=-1)])
+    with pytest.raises(ConfigError, match="tokenize_probe_chars: must be >= 0"):
+        bad.validate()
 
 
 def test_the_event_read_interval_reaches_the_consumer_and_is_bounded() -> None:

@@ -152,6 +152,58 @@ def test_what_overlaps_and_what_is_encoded_first(pool: Pool, plain: tokenizers.T
     asyncio.run(run())
 
 
+def test_a_cold_prompt_is_routed_on_the_start_of_its_first_piece(
+    plain: tokenizers.Tokenizer,
+) -> None:
+    """``tokenize_probe_chars``: a prompt no worker holds the start of is routed on the ids of
+    its first ~200 characters; its first piece is encoded with the rest, off the loop, not
+    here. Where a worker holds those first blocks, the whole piece is encoded here as before
+    and the known ids reach past it; the decision's match is the exact ids' either way."""
+    prompt = DOCUMENT + " What is alpha?"
+    exact = plain.encode(prompt).ids
+    whole = make_pool(tokenize_probe_chars=0)
+    probed = make_pool()
+
+    async def run() -> None:
+        off = await whole.prepare(completion(prompt), overlap=True)
+        piece = len(off.ids)  # the first piece's ids (and the BOS)
+        counted = probed.tokenizer._chars_encoded
+        cold = await probed.prepare(completion(prompt), overlap=True)
+        assert cold.pending and probed.tokenizer._chars_encoded == counted  # nothing stored
+        assert BS <= len(cold.ids) < piece // 2 and list(cold.ids) == exact[: len(cold.ids)]
+        decision = await route_while_encoded(probed, cold, 1.0)
+        assert decision.matched_tokens == 0
+        assert list(cold.ids) == exact and cold.keys.all() == probed.keyer.keys(exact)
+        assert holds_all(probed, decision.worker, probed.keyer.keys(exact))
+        # a new prompt whose first block w1 holds, and only that: routed on the probe to w1
+        # with the match it has on the exact ids
+        other = QUESTION * 8
+        ids = plain.encode(other).ids
+        keys = probed.keyer.keys(ids)
+        piece = len((await whole.prepare(completion(other), overlap=True)).ids)
+        probed.router.index.stored("w1", None, keys[:1])
+        prep = await probed.prepare(completion(other), overlap=True)
+        assert prep.pending and BS <= len(prep.ids) < piece // 2
+        assert probed.router.index.match_masks(probed.keyer.keys(list(prep.ids)))[0][0] == 1
+        decision = await route_while_encoded(probed, prep, 2.0)
+        assert decision.worker == "w1" and decision.matched_tokens == BS
+        assert list(prep.ids) == ids
+        # w0 holds more than a probe's blocks of a third prompt: its whole first piece is
+        # encoded here, and the request routed on it
+        third = QUESTION.replace("beta", "omega") * 8
+        keys = probed.keyer.keys(plain.encode(third).ids)
+        piece = len((await whole.prepare(completion(third), overlap=True)).ids)
+        probed.router.index.stored("w0", None, keys[: piece // BS - 1])
+        held = await probed.prepare(completion(third), overlap=True)
+        assert held.pending and len(held.ids) == piece
+        decision = await route_while_encoded(probed, held, 3.0)
+        assert decision.worker == "w0" and decision.matched_tokens == (piece // BS - 1) * BS
+
+    asyncio.run(run())
+    whole.tokenizer.close()
+    probed.tokenizer.close()
+
+
 def test_overlap_settings_turn_it_off() -> None:
     for kw in ({"tokenize_overlap_chars": 0}, {"tokenize_thread_chars": 0}):
         p = make_pool(**kw)

@@ -124,17 +124,25 @@ class Chunker:
         size, n = self.size, len(text)
         out: list[str] = []
         start = 0
-        find = text.find
         while n - start > size:
-            cut = find(" ", start + size, n - 1)
-            while cut != -1 and not (text[cut - 1] in _LETTERS and text[cut + 1] in _LETTERS):
-                cut = find(" ", cut + 1, n - 1)
+            cut = safe_cut(text, start + size)
             if cut == -1:
                 break
             out.append(text[start:cut])
             start = cut
         out.append(text[start:])
         return out
+
+
+def safe_cut(text: str, start: int) -> int:
+    """The first safe cut of ``text`` at or after ``start`` (> 0): a space between two ASCII
+    letters, where ``text[:cut]`` and ``text[cut:]`` encode to ``text``'s ids; -1 if none."""
+    n = len(text)
+    find = text.find
+    cut = find(" ", start, n - 1)
+    while cut != -1 and not (text[cut - 1] in _LETTERS and text[cut + 1] in _LETTERS):
+        cut = find(" ", cut + 1, n - 1)
+    return cut
 
 
 def probe_texts() -> list[str]:

@@ -760,6 +760,8 @@ _COUNTERS = {
     "held": "kvroute_tokenization_overlap_wait_seconds_count",
     "held_s": "kvroute_tokenization_overlap_wait_seconds_sum",
     "held_0": 'kvroute_tokenization_overlap_wait_seconds_bucket|le="0.0"',
+    "prepared": "kvroute_tokenization_seconds_count",
+    "prepared_s": "kvroute_tokenization_seconds_sum",
 }
 
 
@@ -777,7 +779,9 @@ def _count_ratios(counts: dict[str, float]) -> dict[str, float | None]:
     per routed request and entries per read, and the share of requests routed before their
     prompt was encoded (``tokenize_overlap_chats``, ``tokenize_overlap_cold``); of those, the
     share whose first chunk waited for the exact ids and the mean wait over all of them
-    (``kvroute_tokenization_overlap_wait_seconds``)."""
+    (``kvroute_tokenization_overlap_wait_seconds``); the mean time a request's preparation
+    took on the loop before it was routed (``kvroute_tokenization_seconds``: render, encode
+    and keys, or as far as an overlapped prompt is encoded before it is routed)."""
 
     def ratio(a: str, b: str) -> float | None:
         return round(counts[a] / counts[b], 3) if counts.get(b) else None
@@ -791,6 +795,11 @@ def _count_ratios(counts: dict[str, float]) -> dict[str, float | None]:
         ),
         "overlap_wait_mean_ms": (
             round(1e3 * counts["held_s"] / counts["held"], 3) if counts.get("held") else None
+        ),
+        "prepare_mean_ms": (
+            round(1e3 * counts["prepared_s"] / counts["prepared"], 3)
+            if counts.get("prepared")
+            else None
         ),
     }
 
