@@ -453,11 +453,30 @@ async def _index_equals_mirrors(
     except AssertionError as exc:
         if cluster is None:
             raise
-        raise AssertionError(f"{exc}\n{_slot_views(consumer, cluster)}") from exc
+        raise AssertionError(
+            f"{exc}\n{_slot_views(consumer, cluster)}\n{_catch_up_views(consumer, agents)}"
+        ) from exc
     assert sorted(consumer.workers()) == WORKERS
     for agent in agents:
         w = agent.config.worker_id
         assert key_digest(consumer.index.worker_keys(w)) == key_digest(agent.mirror_keys())
+
+
+def _catch_up_views(consumer: Any, agents: list[Any]) -> str:
+    """Per worker, what ``settle`` waits for: the agent's publisher idle, its epoch and last
+    seq against the consumer's cursor, and the index's keys against the mirror's."""
+    lines = []
+    for a in agents:
+        w = a.config.worker_id
+        cur = consumer.applier.cursors.get(w)
+        index, mirror = consumer.index.worker_keys(w), a.mirror_keys()
+        lines.append(
+            f"{w}: idle {a.publisher.idle.is_set()}, agent epoch/seq {a.epoch}/{a.publisher.seq},"
+            f" cursor {None if cur is None else (cur.epoch, cur.seq)}, index {len(index)} keys,"
+            f" mirror {len(mirror)}, index - mirror {len(index - mirror)},"
+            f" mirror - index {len(mirror - index)}"
+        )
+    return "\n".join(lines)
 
 
 def _slot_views(consumer: Any, cluster: LocalCluster) -> str:
