@@ -352,6 +352,14 @@ class Consumer:
                 self._bus_failed(exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.config.backoff_max)
+            except Exception as exc:  # the loop must outlive any one read
+                # an error no layer below turned into a BusError (a client library's own,
+                # seen in a Redis Cluster failover): ending here would freeze the index for
+                # good, silently; it is a failed read like any other, with its traceback
+                log.exception("reading the event bus failed unexpectedly: retrying")
+                self._bus_failed(exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.backoff_max)
 
     async def _pace(self, started: float) -> None:
         """Wait out the rest of ``read_interval`` since the read that ``started`` then."""

@@ -211,6 +211,45 @@ class PartitionedBus(MemoryBus):
         return await super().read(*args, **kwargs)
 
 
+class OddlyFailingBus(MemoryBus):
+    """Reads that fail once with an error that is not a BusError (a client library's own)."""
+
+    fail_next = False
+
+    async def read(self, *args: Any, **kwargs: Any) -> list[StreamRead]:
+        if self.fail_next:
+            self.fail_next = False
+            raise IndexError("list index out of range")
+        return await super().read(*args, **kwargs)
+
+
+async def test_a_read_failing_with_any_error_does_not_stop_the_consumer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A read that raises something other than a BusError is a failed read: counted,
+    logged with its traceback, retried; the consumer goes on applying what follows (its read
+    task ending there froze the index for good in a Redis Cluster failover)."""
+    bus = OddlyFailingBus()
+    w = Writer("w", seed=1)
+    await w.publish(bus, [w.entry([Cleared()])])
+    await bus.register(WorkerInfo("w", "http://x", "m", epoch=1), ttl=60)
+    async with Consumer(bus, config=fast()) as c:
+        await wait_until(lambda: c.applier.cursors.get("w") is not None, 5, "bootstrap")
+        errors = c.stats.bus_errors
+        bus.fail_next = True
+        await wait_until(lambda: not bus.fail_next, 5, "the failing read")
+        for _ in range(3):
+            await w.publish(bus, [w.entry(w.random_events())])
+        await wait_until(lambda: c.index.worker_keys("w") == w.mirror.keys(), 5, "caught up")
+        assert c.stats.bus_errors == errors + 1
+        assert any(
+            "failed unexpectedly" in r.message
+            and r.exc_info is not None
+            and r.exc_info[0] is IndexError
+            for r in caplog.records
+        )
+
+
 async def _missed_behind_a_trim(
     bus: PartitionedBus, w: Writer, missed: int, snapshot: bool = True
 ) -> None:

@@ -455,11 +455,33 @@ async def _index_equals_mirrors(
             raise
         raise AssertionError(
             f"{exc}\n{_slot_views(consumer, cluster)}\n{_catch_up_views(consumer, agents)}"
+            f"\n{_pending_awaits()}"
         ) from exc
     assert sorted(consumer.workers()) == WORKERS
     for agent in agents:
         w = agent.config.worker_id
         assert key_digest(consumer.index.worker_keys(w)) == key_digest(agent.mirror_keys())
+
+
+def _pending_awaits() -> str:
+    """Every pending task of the loop with the chain of awaits it is suspended in (its
+    coroutine's frame, then what that awaits, down to the innermost): where a consumer that
+    stopped reading waits."""
+    lines = []
+    for task in asyncio.all_tasks():
+        if task.done() or task is asyncio.current_task():
+            continue
+        chain: list[str] = []
+        coro: Any = task.get_coro()
+        while coro is not None:
+            frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+            if frame is not None:
+                where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+                chain.append(f"{frame.f_code.co_name} ({where})")
+            coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        where_it_waits = " > ".join(chain) if chain else repr(task)
+        lines.append(f"task {task.get_name()}: {where_it_waits}")
+    return "\n".join(sorted(lines))
 
 
 def _catch_up_views(consumer: Any, agents: list[Any]) -> str:
